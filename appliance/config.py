@@ -1,0 +1,527 @@
+"""The appliance's configuration: TOML in, frozen dataclasses out, loaded once at the edge.
+
+Every key is optional; the defaults are the contract's. Validation collects *every*
+problem before failing, and each message names the key path, the value it saw and what
+is allowed, because the person reading it is an admin at a terminal (or Ansible's
+``validate:``), not a developer. Unknown keys are errors too: a typo such as
+``max_infligth`` must not silently leave the default in force.
+
+Each field carries a ``doc`` in its metadata; ``docs/configuration.md`` is generated
+from those (``python -m appliance.config --markdown``) and a test fails when it is stale.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import ipaddress
+import math
+import os
+import re
+import sys
+import tomllib
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+from appliance.errors import ConfigError
+
+DEFAULT_CONFIG_PATH = Path("/etc/llm-appliance/config.toml")
+CONFIG_ENV = "LLM_APPLIANCE_CONFIG"
+COMMAND_PLACEHOLDERS = frozenset({"python", "model", "port", "gpu", "api_key", "served_model_name"})
+MAX_GPUS = 8
+
+Device = Literal["auto", "cuda", "cpu"]
+
+
+def _f(
+    default: Any,
+    doc: str,
+    *,
+    lo: float | None = None,
+    hi: float | None = None,
+    lo_open: bool = False,
+) -> Any:
+    """A config field: its default, the sentence that documents it, and numeric bounds."""
+    meta = {"doc": doc, "lo": lo, "hi": hi, "lo_open": lo_open}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    host: str = _f(
+        "127.0.0.1",
+        "Address the gateway listens on. A non-loopback address needs "
+        "`allow_lan = true` (and should use TLS).",
+    )
+    port: int = _f(8080, "TCP port of the gateway.", lo=1, hi=65535)
+    allow_lan: bool = _f(False, "Allow `host` to be a non-loopback address.")
+    tls_cert: str = _f("", "PEM certificate file; with `tls_key` the gateway serves HTTPS.")
+    tls_key: str = _f("", "PEM private key file for `tls_cert`.")
+    keys_file: str = _f(
+        "/var/lib/llm-appliance/keys.json",
+        "API keys file (hashes only, mode 0600). Created with one admin key on "
+        "first start when missing or empty.",
+    )
+    max_body_bytes: int = _f(1048576, "Largest request body accepted; larger gets 413.", lo=1024)
+    max_tokens_cap: int = _f(
+        4096,
+        "Largest `max_tokens` a request may ask for; larger is "
+        "refused with 400 (never silently clamped).",
+        lo=1,
+    )
+    max_queue: int = _f(
+        256, "Requests waiting for an engine beyond this get 503 with Retry-After.", lo=0
+    )
+    queue_timeout_s: float = _f(
+        30.0, "Longest a request waits in the queue before 503.", lo=0, lo_open=True
+    )
+    metrics_public: bool = _f(
+        False,
+        "false: /metrics needs a key with scope `metrics` or "
+        "`admin`; true: anyone who can reach the gateway may read it.",
+    )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    python: str = _f("", 'The engine venv\'s python. "" = the one `llm-appliance setup` made.')
+    model: str = _f(
+        "",
+        "Model to serve: a local folder or a model id already in the local "
+        'cache. "" = the packaged SmolLM2-135M-Instruct that set-up converted. '
+        "Nothing is downloaded at run time.",
+    )
+    served_model_name: str = _f(
+        "", 'Model name clients use. "" = derived from the model (the folder\'s name, lower-case).'
+    )
+    device: Device = _f(
+        "auto",
+        "`auto` uses the NVIDIA GPUs NVML finds, else the CPU; "
+        "`cuda` requires GPUs; `cpu` never uses them.",
+    )
+    gpus: Literal["auto"] | list[int] = _f(
+        "auto",
+        '`"auto"` = every GPU NVML finds, or a '
+        "list of GPU indices like `[0, 1]`; one engine "
+        "per GPU.",
+    )
+    cpu_engines: int = _f(
+        1,
+        "With device = cpu: how many engines; the cores are split between them.",
+        lo=1,
+        hi=MAX_GPUS,
+    )
+    port_base: int = _f(8100, "Engine i listens on 127.0.0.1:port_base+i.", lo=1024, hi=65535)
+    max_model_len: int = _f(4096, "vLLM `--max-model-len`.", lo=16)
+    max_num_batched_tokens: int = _f(8192, "vLLM `--max-num-batched-tokens`.", lo=16)
+    gpu_memory_utilization: float = _f(
+        0.90, "vLLM `--gpu-memory-utilization` (GPU only).", lo=0, hi=1, lo_open=True
+    )
+    max_inflight: int = _f(
+        64,
+        "Requests admitted to one engine at once; more wait in the "
+        "gateway's queue. The thermal governor lowers it on a hot GPU.",
+        lo=1,
+    )
+    extra_args: list[str] = _f([], "Appended to the vLLM command line.")
+    env: dict[str, str] = _f({}, "Added to each engine's environment.")
+    command: list[str] = _f(
+        [],
+        "Replaces the whole engine command. Placeholders: {python} "
+        "{model} {port} {gpu} {api_key} {served_model_name}.",
+    )
+    startup_timeout_s: float = _f(900.0, "Longest an engine may take to become ready.", lo=1)
+    stop_timeout_s: float = _f(
+        20.0,
+        "After SIGTERM, how long an engine's process tree may take to exit before SIGKILL.",
+        lo=0.1,
+    )
+    cpu_kvcache_space_gib: float = _f(
+        1.0,
+        "With device = cpu: KV cache per engine in GiB (`VLLM_CPU_KVCACHE_SPACE`).",
+        lo=0,
+        lo_open=True,
+    )
+
+
+@dataclass(frozen=True)
+class TelemetryConfig:
+    source: str = _f(
+        "nvml",
+        "`nvml`, `none`, or `file:/path/sensors.json` (re-read every "
+        "interval; stands in for NVML without hardware).",
+    )
+    interval_s: float = _f(1.0, "How often GPUs are read.", lo=0.05, hi=3600)
+
+
+@dataclass(frozen=True)
+class ThermalConfig:
+    soft_limit_c: float = _f(
+        80.0, "Above this a GPU is admitted less work, step by step.", lo=20, hi=120
+    )
+    hard_limit_c: float = _f(87.0, "At or above this a GPU is admitted nothing new.", lo=20, hi=130)
+    hysteresis_c: float = _f(
+        5.0, "A throttle level drops only below its limit minus this.", lo=0, hi=30
+    )
+
+
+@dataclass(frozen=True)
+class HealthConfig:
+    interval_s: float = _f(2.0, "How often each engine is checked.", lo=0.05, hi=3600)
+    probe_timeout_s: float = _f(
+        10.0, "A real 1-token completion must answer within this.", lo=0.05, hi=3600
+    )
+    failures_to_restart: int = _f(
+        3,
+        "Consecutive failed checks, with no token progress, "
+        "before an engine counts as hung and is replaced.",
+        lo=1,
+        hi=100,
+    )
+
+
+@dataclass(frozen=True)
+class RestartConfig:
+    backoff_initial_s: float = _f(
+        2.0, "Wait before the first restart after a failure; doubles per consecutive failure.", lo=0
+    )
+    backoff_max_s: float = _f(300.0, "Longest wait between restarts.", lo=0)
+    max_restarts_per_hour: int = _f(
+        6, "More restarts than this within an hour leave the engine FAILED.", lo=0
+    )
+    drain_timeout_s: float = _f(
+        120.0, "Longest wait for in-flight work before a restart or shutdown goes ahead.", lo=0
+    )
+    degradation_restart: bool = _f(
+        True, "Drain and restart engines the degradation detector flags."
+    )
+
+
+@dataclass(frozen=True)
+class Config:
+    gateway: GatewayConfig = field(default_factory=GatewayConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    thermal: ThermalConfig = field(default_factory=ThermalConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
+    restart: RestartConfig = field(default_factory=RestartConfig)
+    source: str = field(default="", metadata={"internal": True})
+
+    def summary(self) -> str:
+        e, g = self.engine, self.gateway
+        engines = (
+            f"{e.cpu_engines} cpu engine(s)"
+            if e.device == "cpu"
+            else f"gpus={e.gpus if e.gpus == 'auto' else ','.join(map(str, e.gpus))}"
+        )
+        scheme = "https" if g.tls_cert else "http"
+        return (
+            f"config ok ({self.source or 'built-in defaults'}): device={e.device} "
+            f"{engines} model={e.model or 'packaged SmolLM2-135M-Instruct'} "
+            f"gateway={scheme}://{g.host}:{g.port} telemetry={self.telemetry.source}"
+        )
+
+
+SECTIONS: dict[str, type[Any]] = {
+    "gateway": GatewayConfig,
+    "engine": EngineConfig,
+    "telemetry": TelemetryConfig,
+    "thermal": ThermalConfig,
+    "health": HealthConfig,
+    "restart": RestartConfig,
+}
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, str):
+        return '"' + value + '"'
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return repr(value)
+
+
+def _describe(tp: Any) -> str:
+    """What a type allows, in the words of a TOML user."""
+    if tp is bool:
+        return "true or false"
+    if tp is int:
+        return "an integer"
+    if tp is float:
+        return "a number"
+    if tp is str:
+        return "a string"
+    origin = get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(_show(a) for a in get_args(tp))
+    if origin is list:
+        return f"a list of {_describe(get_args(tp)[0]).removeprefix('a ').removeprefix('an ')}s"
+    if origin is dict:
+        return "a table of string values"
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in get_args(tp))
+    return str(tp)
+
+
+def _coerce(value: Any, tp: Any) -> tuple[bool, Any]:
+    """(ok, converted) for a TOML value against a field type; no implicit string parsing."""
+    origin = get_origin(tp)
+    if tp is bool:
+        return isinstance(value, bool), value
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool), value
+    if tp is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        return ok and math.isfinite(value), float(value) if ok else value
+    if tp is str:
+        return isinstance(value, str), value
+    if origin is Literal:
+        return value in get_args(tp) and isinstance(value, str | int), value
+    if origin is list:
+        (item,) = get_args(tp)
+        if not isinstance(value, list):
+            return False, value
+        out = []
+        for v in value:
+            ok, c = _coerce(v, item)
+            if not ok:
+                return False, value
+            out.append(c)
+        return True, out
+    if origin is dict:
+        ok = isinstance(value, dict) and all(
+            isinstance(k, str) and isinstance(v, str) for k, v in value.items()
+        )
+        return ok, dict(value) if ok else value
+    if origin in (typing.Union, types.UnionType):
+        for alt in get_args(tp):
+            ok, c = _coerce(value, alt)
+            if ok:
+                return True, c
+        return False, value
+    raise TypeError(f"unsupported config type {tp!r}")  # a bug in this module, not in input
+
+
+def _unknown(path: str, key: str, allowed: list[str]) -> str:
+    near = difflib.get_close_matches(key, allowed, n=1)
+    hint = f" (did you mean {near[0]!r}?)" if near else ""
+    return f"{path}{key}: unknown key{hint}; allowed keys: {', '.join(allowed)}"
+
+
+def _build_section(name: str, cls: type[Any], raw: Any, problems: list[str]) -> Any:
+    if not isinstance(raw, dict):
+        problems.append(f"[{name}]: must be a table, got {_show(raw)}")
+        return cls()
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    values: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key not in fields:
+            problems.append(_unknown(f"{name}.", key, list(fields)))
+            continue
+        tp, meta = hints[key], fields[key].metadata
+        ok, converted = _coerce(value, tp)
+        if not ok:
+            problems.append(f"{name}.{key} = {_show(value)}: must be {_describe(tp)}")
+            continue
+        lo, hi, lo_open = meta.get("lo"), meta.get("hi"), meta.get("lo_open")
+        if isinstance(converted, (int, float)) and not isinstance(converted, bool):
+            if lo is not None and (converted <= lo if lo_open else converted < lo):
+                rel = ">" if lo_open else ">="
+                bound = f"{rel} {lo:g}" + (f" and <= {hi:g}" if hi is not None else "")
+                problems.append(f"{name}.{key} = {_show(value)}: must be {bound}")
+                continue
+            if hi is not None and converted > hi:
+                low = f">= {lo:g} and " if lo is not None else ""
+                problems.append(f"{name}.{key} = {_show(value)}: must be {low}<= {hi:g}")
+                continue
+        values[key] = converted
+    return cls(**values)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _cross_check(cfg: Config, problems: list[str]) -> None:
+    g, e, t, th, r = cfg.gateway, cfg.engine, cfg.telemetry, cfg.thermal, cfg.restart
+    if not _is_loopback(g.host) and not g.allow_lan:
+        problems.append(
+            f"gateway.host = {_show(g.host)}: a non-loopback address needs "
+            "gateway.allow_lan = true (and should use tls_cert/tls_key)"
+        )
+    if bool(g.tls_cert) != bool(g.tls_key):
+        problems.append("gateway.tls_cert / gateway.tls_key: set both for HTTPS, or neither")
+    if g.keys_file == "":
+        problems.append('gateway.keys_file = "": must be a file path')
+    if isinstance(e.gpus, list):
+        if not e.gpus:
+            problems.append('engine.gpus = []: must be "auto" or a non-empty list of GPU indices')
+        elif len(set(e.gpus)) != len(e.gpus) or any(i < 0 or i >= 64 for i in e.gpus):
+            problems.append(f"engine.gpus = {e.gpus!r}: indices must be distinct and 0..63")
+        elif len(e.gpus) > MAX_GPUS:
+            problems.append(f"engine.gpus = {e.gpus!r}: at most {MAX_GPUS} GPUs")
+        if e.device == "cpu":
+            problems.append(
+                'engine.gpus: a GPU list needs engine.device = "cuda" or "auto" '
+                '(with device = "cpu" use engine.cpu_engines)'
+            )
+    count = (
+        e.cpu_engines
+        if e.device == "cpu"
+        else len(e.gpus)
+        if isinstance(e.gpus, list)
+        else MAX_GPUS
+    )
+    if e.port_base + count - 1 > 65535:
+        problems.append(f"engine.port_base = {e.port_base}: engine ports would pass 65535")
+    elif e.port_base <= g.port < e.port_base + count:
+        problems.append(
+            f"gateway.port = {g.port}: collides with engine ports "
+            f"{e.port_base}..{e.port_base + count - 1} (engine.port_base)"
+        )
+    for i, arg in enumerate(e.command):
+        for name in re.findall(r"{([^{}]*)}", arg):
+            if name not in COMMAND_PLACEHOLDERS:
+                problems.append(
+                    f"engine.command[{i}] = {_show(arg)}: unknown placeholder "
+                    f"{{{name}}}; allowed: "
+                    + " ".join(f"{{{p}}}" for p in sorted(COMMAND_PLACEHOLDERS))
+                )
+    for key in e.env:
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
+            problems.append(f"engine.env.{key}: not a valid environment variable name")
+    if not (t.source in ("nvml", "none") or (t.source.startswith("file:") and len(t.source) > 5)):
+        problems.append(
+            f'telemetry.source = {_show(t.source)}: must be one of "nvml", '
+            '"none", "file:/path/sensors.json"'
+        )
+    if th.hard_limit_c <= th.soft_limit_c:
+        problems.append(
+            f"thermal.hard_limit_c = {th.hard_limit_c:g}: must be above "
+            f"thermal.soft_limit_c ({th.soft_limit_c:g})"
+        )
+    if r.backoff_max_s < r.backoff_initial_s:
+        problems.append(
+            f"restart.backoff_max_s = {r.backoff_max_s:g}: must be >= "
+            f"restart.backoff_initial_s ({r.backoff_initial_s:g})"
+        )
+
+
+def parse_config(raw: Mapping[str, Any], source: str = "") -> Config:
+    """Validate a parsed TOML document; raise ConfigError naming every problem."""
+    problems: list[str] = []
+    sections: dict[str, Any] = {}
+    for name, value in raw.items():
+        if name not in SECTIONS:
+            problems.append(
+                _unknown("", name, [f"[{s}]" for s in SECTIONS]).replace(
+                    f"{name}:", f"[{name}]:", 1
+                )
+            )
+            continue
+        sections[name] = _build_section(name, SECTIONS[name], value, problems)
+    cfg = Config(**sections, source=source)
+    _cross_check(cfg, problems)
+    if problems:
+        raise ConfigError(problems, source)
+    return cfg
+
+
+def resolve_config_path(
+    explicit: str | None, env: Mapping[str, str] | None = None
+) -> tuple[Path | None, bool]:
+    """(path, must_exist): --config must exist; the env var and the default may be absent."""
+    env = os.environ if env is None else env
+    if explicit:
+        return Path(explicit), True
+    if env.get(CONFIG_ENV):
+        return Path(env[CONFIG_ENV]), False
+    return DEFAULT_CONFIG_PATH, False
+
+
+def load_config(explicit: str | None = None, env: Mapping[str, str] | None = None) -> Config:
+    path, must_exist = resolve_config_path(explicit, env)
+    if path is None or not path.exists():
+        if must_exist:
+            raise ConfigError([f"--config {path}: no such file"], str(path))
+        return Config()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError([f"{path}: cannot be read ({exc})"], str(path)) from None
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError([f"{path}: not valid TOML ({exc})"], str(path)) from None
+    return parse_config(raw, str(path))
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, float):
+        return f"{value:g}" if value != int(value) else f"{value:.1f}"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return str(value)
+
+
+def config_markdown() -> str:
+    """docs/configuration.md, generated from the field docs so it never drifts."""
+    lines = [
+        "# Configuration",
+        "",
+        "<!-- Generated by `python -m appliance.config --markdown`; do not edit by hand. -->",
+        "",
+        "The config is TOML. `llm-appliance` reads `--config PATH`, else "
+        f"`${CONFIG_ENV}`, else `{DEFAULT_CONFIG_PATH}`; with none present the built-in "
+        "defaults below apply. Every key is optional. Unknown keys and bad values are "
+        "errors: `llm-appliance check-config` names each one (key, value, what is allowed) "
+        "and exits 2.",
+        "",
+        "Keys marked *live* change on `systemctl reload llm-appliance` (SIGHUP); the others "
+        "are logged as needing a restart.",
+        "",
+    ]
+    from appliance.reload import LIVE_KEYS  # late: reload imports this module
+
+    for name, cls in SECTIONS.items():
+        lines += [
+            f"## [{name}]",
+            "",
+            "| key | default | type | live | what it does |",
+            "|---|---|---|---|---|",
+        ]
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+            live = "yes" if f"{name}.{f.name}" in LIVE_KEYS else ""
+            doc = f.metadata["doc"].replace("|", "\\|")
+            lines.append(
+                f"| `{f.name}` | `{_toml_value(default)}` | {_describe(hints[f.name])} "
+                f"| {live} | {doc} |"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # pragma: no cover - documentation generator
+    if sys.argv[1:] == ["--markdown"]:
+        sys.stdout.write(config_markdown())
+    else:
+        sys.exit("usage: python -m appliance.config --markdown")

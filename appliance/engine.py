@@ -1,0 +1,245 @@
+"""An engine: what it is (spec), where it is in its life (state), and how it is started.
+
+The lifecycle is one enum with an explicit table of allowed moves, so "is it serving?"
+has one answer and an impossible move is a bug that raises instead of a flag quietly
+out of step with another flag::
+
+        ┌──────────── EXITED ◄─────────────────────────┐
+        │ (spawn)       │ (restart budget spent)       │ (process gone)
+        ▼               ▼                              │
+    STARTING ──► READY ◄──► DRAINING ──► STOPPING ─────┘
+        │          │                        ▲
+        │          └────────────────────────┤   (crash, hang, restart, shutdown)
+        └───────────────────────────────────┘
+                        FAILED ──(admin restart)──► STARTING
+
+Only the supervisor moves states; everyone else reads :class:`EngineSnapshot` copies.
+Building the command line is a pure function here, so it is tested without processes.
+"""
+
+from __future__ import annotations
+
+import enum
+import secrets
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from appliance.config import Config
+from appliance.errors import IllegalTransition
+
+
+class EngineState(enum.Enum):
+    STARTING = "STARTING"  # process spawned, model loading, not yet answering a probe
+    READY = "READY"  # answers a real completion; takes new work
+    DRAINING = "DRAINING"  # alive, takes no new work; in-flight work finishes
+    STOPPING = "STOPPING"  # SIGTERM sent to its process tree
+    EXITED = "EXITED"  # no process; will be (re)started after backoff
+    FAILED = "FAILED"  # restart budget spent; stays down until an admin restarts it
+
+    @property
+    def accepts_work(self) -> bool:
+        return self is EngineState.READY
+
+
+ALLOWED_TRANSITIONS: Mapping[EngineState, frozenset[EngineState]] = {
+    EngineState.STARTING: frozenset({EngineState.READY, EngineState.STOPPING, EngineState.EXITED}),
+    EngineState.READY: frozenset({EngineState.DRAINING, EngineState.STOPPING, EngineState.EXITED}),
+    EngineState.DRAINING: frozenset({EngineState.READY, EngineState.STOPPING, EngineState.EXITED}),
+    EngineState.STOPPING: frozenset({EngineState.EXITED}),
+    EngineState.EXITED: frozenset({EngineState.STARTING, EngineState.FAILED}),
+    EngineState.FAILED: frozenset({EngineState.STARTING}),
+}
+
+
+def check_transition(old: EngineState, new: EngineState) -> None:
+    if new not in ALLOWED_TRANSITIONS[old]:
+        raise IllegalTransition(f"engine state {old.value} -> {new.value} is not allowed")
+
+
+class RestartReason(enum.Enum):
+    """Why an engine was (re)started; the label of appliance_engine_restarts_total."""
+
+    CRASH = "crash"  # the process exited on its own
+    HUNG = "hung"  # alive but no token came back and none were flowing
+    STARTUP_TIMEOUT = "startup_timeout"
+    DEGRADED = "degraded"  # the degradation detector's verdict
+    HEAT = "heat"  # sustained heat: restarted with fewer batched tokens
+    ADMIN = "admin"  # POST /admin/engines/{id}/restart
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """Everything needed to launch engine ``id``; fixed for the life of the daemon."""
+
+    id: int
+    gpu: int | None  # CUDA index, or None on CPU
+    port: int
+    argv: tuple[str, ...]
+    api_key: str  # per-boot; the gateway adds it, clients never see it
+    tag: str  # LLM_APPLIANCE_ENGINE value inherited by its whole tree
+    env: Mapping[str, str] = field(default_factory=dict)
+    served_model_name: str = ""
+
+    @property
+    def name(self) -> str:
+        return f"engine{self.id}"
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """A read-only view of one engine for the gateway, router and status."""
+
+    id: int
+    gpu: int | None
+    port: int
+    state: EngineState
+    api_key: str
+    pid: int | None = None
+    restarts: int = 0
+    last_restart_reason: str | None = None
+    served_model_name: str = ""
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+def new_api_key() -> str:
+    """A per-boot engine key: URL-safe and never starting with '-' (argv would eat it)."""
+    return "eng-" + secrets.token_urlsafe(32)
+
+
+def served_name(config: Config, model_path: str) -> str:
+    if config.engine.served_model_name:
+        return config.engine.served_model_name
+    return Path(model_path.rstrip("/")).name.lower() or "model"
+
+
+def cpu_core_split(cores: Sequence[int], engines: int) -> list[str]:
+    """Split the usable cores into contiguous ranges, one per engine (VLLM_CPU_OMP_THREADS_BIND).
+
+    With fewer cores than engines, engines share cores round-robin rather than fail: a
+    2-core laptop asked for 4 engines is still useful for testing.
+    """
+    cores = sorted(cores)
+    if not cores:
+        return ["all"] * engines
+    if engines > len(cores):
+        return [str(cores[i % len(cores)]) for i in range(engines)]
+    per, extra = divmod(len(cores), engines)
+    out, start = [], 0
+    for i in range(engines):
+        n = per + (1 if i < extra else 0)
+        chunk = cores[start : start + n]
+        start += n
+        out.append(_ranges(chunk))
+    return out
+
+
+def _ranges(cores: Sequence[int]) -> str:
+    parts: list[str] = []
+    run_start = prev = cores[0]
+    for c in [*cores[1:], None]:
+        if c is not None and c == prev + 1:
+            prev = c
+            continue
+        parts.append(str(run_start) if run_start == prev else f"{run_start}-{prev}")
+        if c is not None:
+            run_start = prev = c
+    return ",".join(parts)
+
+
+def build_argv(
+    config: Config,
+    *,
+    python: str,
+    model: str,
+    port: int,
+    gpu: int | None,
+    api_key: str,
+    served_model_name: str,
+    on_gpu: bool,
+) -> tuple[str, ...]:
+    """The engine's command line: vLLM's OpenAI server, or the config's `command` override."""
+    e = config.engine
+    if e.command:
+        values = {
+            "python": python,
+            "model": model,
+            "port": str(port),
+            "gpu": "" if gpu is None else str(gpu),
+            "api_key": api_key,
+            "served_model_name": served_model_name,
+        }
+        return tuple(arg.format(**values) for arg in e.command)
+    argv = [
+        python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        model,
+        "--served-model-name",
+        served_model_name,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--api-key",
+        api_key,
+        "--max-model-len",
+        str(e.max_model_len),
+        "--max-num-batched-tokens",
+        str(e.max_num_batched_tokens),
+        # One access-log line per request would drown the journal at LLM request rates;
+        # the gateway counts requests in its metrics instead.
+        "--disable-uvicorn-access-log",
+    ]
+    if on_gpu:
+        argv += ["--gpu-memory-utilization", f"{e.gpu_memory_utilization:g}"]
+    else:
+        # CPU: vLLM's CPU backend serves bfloat16; eager mode starts in ~35 s instead of
+        # ~2 min of torch.compile that is not cached between starts on these machines.
+        argv += ["--dtype", "bfloat16", "--enforce-eager"]
+    argv += list(e.extra_args)
+    return tuple(argv)
+
+
+def build_env(
+    config: Config,
+    base: Mapping[str, str],
+    *,
+    gpu: int | None,
+    cpu_bind: str | None,
+    engine_tag: str,
+) -> dict[str, str]:
+    """The engine's environment, built explicitly from a cleaned base.
+
+    ``base`` must already lack systemd's variables (NOTIFY_SOCKET, WATCHDOG_*): an engine
+    that pinged our watchdog or sent READY for us would lie to systemd.
+    ``engine_tag`` is inherited by every process vLLM forks, which is how the supervisor
+    finds an engine's whole tree even after its API server died and orphaned the rest.
+    """
+    env = dict(base)
+    env.update(
+        {
+            "HF_HUB_OFFLINE": "1",  # nothing is fetched from a hub at run time
+            "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+            "PYTHONUNBUFFERED": "1",  # engine lines reach the journal as they happen
+            "LLM_APPLIANCE_ENGINE": engine_tag,
+        }
+    )
+    if gpu is not None:
+        # NVML numbers GPUs by PCI bus; CUDA by default fastest-first. Pin CUDA to the
+        # same order so "engine i serves GPU i" pairs it with GPU i's temperature.
+        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+        env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+    else:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+        env["VLLM_CPU_KVCACHE_SPACE"] = f"{config.engine.cpu_kvcache_space_gib:g}"
+        if cpu_bind is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind
+    env.update(config.engine.env)
+    return env

@@ -1,0 +1,1 @@
+"""The authenticated OpenAI-compatible gateway, served from the supervisor's process."""

@@ -1,0 +1,131 @@
+"""Engine health in layers, and the pure rule that turns observations into a verdict.
+
+A vLLM engine can be alive, answer ``/health`` with 200 and still never produce another
+token (vllm#39863). So one check looks at four layers:
+
+1. the process exists (the supervisor knows this without I/O);
+2. ``GET /health`` answers 200 in time;
+3. a real 1-token completion answers within ``probe_timeout_s``;
+4. ``vllm:generation_tokens_total`` keeps rising while requests run.
+
+Under heavy load the probe can be slow without anything being wrong, so a failed probe
+only counts against an engine when tokens are *not* flowing, and it takes
+``failures_to_restart`` such checks in a row to call an engine hung. :func:`assess` is
+pure; :func:`observe` does the I/O.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+PROBE_PROMPT = "Hi"
+
+
+class Verdict(enum.Enum):
+    HEALTHY = "healthy"
+    SUSPECT = "suspect"  # a failed check counted; not yet acted on
+    HUNG = "hung"  # replace it
+
+
+@dataclass(frozen=True)
+class Observation:
+    health_ok: bool
+    probe_ok: bool
+    generation_tokens: float | None = None  # vllm:generation_tokens_total (all labels)
+    running: float | None = None  # vllm:num_requests_running
+    detail: str = ""  # why a layer failed, for the log
+
+
+@dataclass(frozen=True)
+class HealthHistory:
+    consecutive_failures: int = 0
+    last_generation_tokens: float | None = None
+
+
+def assess(
+    obs: Observation, history: HealthHistory, failures_to_restart: int
+) -> tuple[Verdict, HealthHistory]:
+    tokens_rose = (
+        obs.generation_tokens is not None
+        and history.last_generation_tokens is not None
+        and obs.generation_tokens > history.last_generation_tokens
+    )
+    tokens = (
+        obs.generation_tokens
+        if obs.generation_tokens is not None
+        else history.last_generation_tokens
+    )
+    if (obs.health_ok and obs.probe_ok) or tokens_rose:
+        # Tokens flowing is proof of life even when a loaded engine is slow to probe.
+        return Verdict.HEALTHY, HealthHistory(0, tokens)
+    failures = history.consecutive_failures + 1
+    verdict = Verdict.HUNG if failures >= failures_to_restart else Verdict.SUSPECT
+    return verdict, HealthHistory(failures, tokens)
+
+
+def metric_sums(text: str, names: set[str]) -> dict[str, float]:
+    """Sum the samples of each named metric over all label sets (vLLM labels per model)."""
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in names:
+                out[sample.name] = out.get(sample.name, 0.0) + float(sample.value)
+    return out
+
+
+async def observe(
+    session: aiohttp.ClientSession, base_url: str, api_key: str, model: str, timeout_s: float
+) -> Observation:
+    """Run layers 2-4 against one engine, each bounded by ``timeout_s``."""
+    detail: list[str] = []
+    health_ok = probe_ok = False
+    gen: float | None = None
+    running: float | None = None
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    try:
+        async with session.get(f"{base_url}/health", timeout=timeout) as resp:
+            health_ok = resp.status == 200
+            if not health_ok:
+                detail.append(f"/health answered {resp.status}")
+    except (TimeoutError, aiohttp.ClientError) as exc:
+        detail.append(f"/health: {type(exc).__name__}")
+    try:
+        async with session.get(f"{base_url}/metrics", timeout=timeout) as resp:
+            if resp.status == 200:
+                sums = metric_sums(
+                    await resp.text(), {"vllm:generation_tokens_total", "vllm:num_requests_running"}
+                )
+                gen = sums.get("vllm:generation_tokens_total")
+                running = sums.get("vllm:num_requests_running")
+    except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
+        detail.append(f"/metrics: {type(exc).__name__}")
+    if health_ok:
+        started = time.monotonic()
+        try:
+            body = {"model": model, "prompt": PROBE_PROMPT, "max_tokens": 1, "temperature": 0}
+            async with session.post(
+                f"{base_url}/v1/completions",
+                json=body,
+                timeout=timeout,
+                headers={"Authorization": f"Bearer {api_key}"},
+            ) as resp:
+                data = await resp.json(content_type=None)
+                probe_ok = resp.status == 200 and bool(data.get("choices"))
+                if not probe_ok:
+                    detail.append(f"probe answered {resp.status}")
+        except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
+            waited = time.monotonic() - started
+            detail.append(f"probe: {type(exc).__name__} after {waited:.1f} s")
+    return Observation(health_ok, probe_ok, gen, running, "; ".join(detail))
+
+
+async def wait_until_ready(
+    session: aiohttp.ClientSession, base_url: str, api_key: str, model: str, probe_timeout_s: float
+) -> Observation:
+    """One startup check: /health then a real completion (the warm-up probe)."""
+    return await observe(session, base_url, api_key, model, probe_timeout_s)

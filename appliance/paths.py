@@ -1,0 +1,45 @@
+"""Where set-up puts the engine venv and the packaged model, and where the daemon finds them.
+
+One rule serves both a developer checkout and the system install, so that
+`engine.python = ""` and `engine.model = ""` mean "what set-up made" everywhere:
+
+1. ``$LLM_APPLIANCE_HOME`` when set (tests, unusual layouts);
+2. ``$STATE_DIRECTORY`` when systemd runs us with ``StateDirectory=llm-appliance``;
+3. ``/var/lib/llm-appliance`` when a system set-up already happened there (marker file);
+4. otherwise ``$XDG_DATA_HOME/llm-appliance`` (default ``~/.local/share/llm-appliance``),
+   so a developer needs no root and a fresh clone reuses an earlier set-up.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+SYSTEM_HOME = Path("/var/lib/llm-appliance")
+SETUP_MARKER = "setup.json"
+ENGINE_VENV_DIR = "engine-venv"
+PACKAGED_MODEL_DIR = Path("models") / "SmolLM2-135M-Instruct"
+PACKAGED_MODEL_NAME = "smollm2-135m-instruct"
+
+
+def appliance_home(env: Mapping[str, str] | None = None) -> Path:
+    env = os.environ if env is None else env
+    if env.get("LLM_APPLIANCE_HOME"):
+        return Path(env["LLM_APPLIANCE_HOME"])
+    if env.get("STATE_DIRECTORY"):
+        # systemd may pass several colon-separated directories; ours is the first.
+        return Path(env["STATE_DIRECTORY"].split(":")[0])
+    if (SYSTEM_HOME / SETUP_MARKER).exists():
+        return SYSTEM_HOME
+    home = Path(env.get("HOME", "~")).expanduser()
+    data_home = env.get("XDG_DATA_HOME") or str(home / ".local" / "share")
+    return Path(data_home) / "llm-appliance"
+
+
+def engine_python(home: Path) -> Path:
+    return home / ENGINE_VENV_DIR / "bin" / "python"
+
+
+def packaged_model(home: Path) -> Path:
+    return home / PACKAGED_MODEL_DIR

@@ -1,0 +1,147 @@
+"""Deciding which engines to run: device, GPUs, cores, ports, python and model.
+
+Pure given its inputs (detected GPU count, usable cores, set-up home), so every case —
+GPU, CPU, ``command`` override, a missing venv — is tested without hardware.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from appliance import paths
+from appliance.config import Config
+from appliance.engine import (
+    EngineSpec,
+    build_argv,
+    build_env,
+    cpu_core_split,
+    new_api_key,
+    served_name,
+)
+from appliance.errors import ConfigError, EngineSetupError
+
+SETUP_HINT = "run `llm-appliance setup` (or `scripts/setup` in a checkout) to create it"
+
+
+@dataclass(frozen=True)
+class EnginePlan:
+    device: str  # "cuda" | "cpu"
+    python: str
+    model: str
+    served_model_name: str
+    specs: tuple[EngineSpec, ...]
+    boot_id: str
+
+
+def _looks_like_path(model: str) -> bool:
+    return model.startswith(("/", "./", "../", "~"))
+
+
+def _uses(config: Config, placeholder: str) -> bool:
+    return any("{" + placeholder + "}" in a for a in config.engine.command)
+
+
+def resolve_python_and_model(config: Config, home: Path) -> tuple[str, str]:
+    """The engine python and model, checked to exist where we can tell."""
+    e = config.engine
+    python = e.python or str(paths.engine_python(home))
+    model = e.model or str(paths.packaged_model(home))
+    need_python = not e.command or _uses(config, "python")
+    need_model = not e.command or _uses(config, "model")
+    if need_python and not Path(python).exists():
+        where = "engine.python" if e.python else f"the engine venv (expected {python})"
+        raise EngineSetupError(
+            f"{where} does not exist: {SETUP_HINT}"
+            if not e.python
+            else f"engine.python = {e.python!r} does not exist; fix the path or "
+            f'set it to "" and {SETUP_HINT}'
+        )
+    if need_model:
+        if not e.model and not (Path(model) / "config.json").exists():
+            raise EngineSetupError(
+                f"the packaged model is not prepared (expected {model}/config.json): {SETUP_HINT}"
+            )
+        if e.model and _looks_like_path(e.model) and not Path(e.model).expanduser().exists():
+            raise EngineSetupError(
+                f"engine.model = {e.model!r}: no such folder (models are "
+                "never downloaded at run time)"
+            )
+    return python, model
+
+
+def plan_engines(
+    config: Config, *, gpu_count: int, cores: Sequence[int], home: Path, base_env: Mapping[str, str]
+) -> EnginePlan:
+    e = config.engine
+    if e.device == "cuda" and gpu_count == 0:
+        raise ConfigError(
+            ['engine.device = "cuda": no NVIDIA GPU found through NVML (use "auto" or "cpu")'],
+            config.source,
+        )
+    device = "cpu" if e.device == "cpu" or (e.device == "auto" and gpu_count == 0) else "cuda"
+    gpus: list[int | None]
+    if device == "cuda":
+        if isinstance(e.gpus, list):
+            missing = [g for g in e.gpus if g >= gpu_count]
+            if missing:
+                raise ConfigError(
+                    [
+                        f"engine.gpus = {e.gpus!r}: GPU(s) {missing} not present "
+                        f"(NVML sees {gpu_count}: 0..{gpu_count - 1})"
+                    ],
+                    config.source,
+                )
+            gpus = list(e.gpus)
+        else:
+            gpus = list(range(min(gpu_count, 8)))
+        binds: list[str | None] = [None] * len(gpus)
+    else:
+        gpus = [None] * e.cpu_engines
+        binds = list(cpu_core_split(cores, e.cpu_engines))
+    python, model = resolve_python_and_model(config, home)
+    name = (
+        served_name(config, model)
+        if e.model
+        else (e.served_model_name or paths.PACKAGED_MODEL_NAME)
+    )
+    boot_id = secrets.token_hex(4)
+    specs = []
+    for i, gpu in enumerate(gpus):
+        port = e.port_base + i
+        key = new_api_key()
+        tag = f"{boot_id}-{i}"
+        argv = build_argv(
+            config,
+            python=python,
+            model=model,
+            port=port,
+            gpu=gpu,
+            api_key=key,
+            served_model_name=name,
+            on_gpu=device == "cuda",
+        )
+        env = build_env(config, base_env, gpu=gpu, cpu_bind=binds[i], engine_tag=tag)
+        specs.append(
+            EngineSpec(
+                id=i,
+                gpu=gpu,
+                port=port,
+                argv=argv,
+                api_key=key,
+                tag=tag,
+                env=env,
+                served_model_name=name,
+            )
+        )
+    return EnginePlan(device, python, model, name, tuple(specs), boot_id)
+
+
+def usable_cores() -> list[int]:
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return list(range(os.cpu_count() or 1))

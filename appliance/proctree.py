@@ -1,0 +1,180 @@
+"""Finding and ending an engine's whole process tree. Used by the supervisor only.
+
+vLLM's API server forks an EngineCore, which forks workers; when the API server dies
+(or is SIGKILLed) those children live on and keep GPU memory (vllm#55510). So an
+engine's tree is found three ways, any of which is enough:
+
+- its process group (each engine is started in its own session, pgid = its pid);
+- the descendants of its first process while that still exists;
+- every process whose environment carries the engine's tag (``LLM_APPLIANCE_ENGINE``),
+  which vLLM's children inherit even when they re-parent or start their own session.
+
+The supervisor also makes itself a child subreaper, so orphans re-parent to it rather
+than to PID 1 and their exit statuses can be collected here (no zombies).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass
+
+import psutil
+
+log = logging.getLogger(__name__)
+
+PR_SET_CHILD_SUBREAPER = 36
+TAG_ENV = "LLM_APPLIANCE_ENGINE"
+
+
+def become_subreaper() -> bool:
+    """Orphaned engine processes re-parent to us, so we can reap them (Linux only)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return int(libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _tagged(proc: psutil.Process, tag: str) -> bool:
+    try:
+        return bool(proc.environ().get(TAG_ENV) == tag)
+    except (psutil.Error, OSError):
+        return False
+
+
+def find_tree(tag: str, root_pid: int | None = None) -> list[psutil.Process]:
+    """Every live process of one engine, root first where it still exists."""
+    found: dict[int, psutil.Process] = {}
+    if root_pid is not None:
+        with contextlib.suppress(psutil.Error):
+            root = psutil.Process(root_pid)
+            if root.status() != psutil.STATUS_ZOMBIE:
+                found[root.pid] = root
+            for child in root.children(recursive=True):
+                found[child.pid] = child
+        with contextlib.suppress(OSError):
+            pgid = root_pid  # started with start_new_session: its pid is its group id
+            for proc in psutil.process_iter(["pid"]):
+                with contextlib.suppress(psutil.Error, OSError):
+                    if os.getpgid(proc.pid) == pgid:
+                        found.setdefault(proc.pid, proc)
+    me = os.getpid()
+    for proc in psutil.process_iter(["pid"]):
+        if proc.pid != me and proc.pid not in found and _tagged(proc, tag):
+            found[proc.pid] = proc
+    live = []
+    for proc in found.values():
+        with contextlib.suppress(psutil.Error):
+            if proc.status() != psutil.STATUS_ZOMBIE:
+                live.append(proc)
+    return live
+
+
+def signal_all(procs: list[psutil.Process], sig: int) -> None:
+    for proc in procs:
+        with contextlib.suppress(psutil.Error, OSError):
+            proc.send_signal(sig)
+
+
+def reap_orphans(pids: set[int], skip: int | None = None) -> None:
+    """Collect exit statuses of our own (re-parented) children among ``pids``.
+
+    ``skip`` is the engine's root process, whose status asyncio's child watcher owns; we
+    never call waitpid(-1), which would steal it.
+    """
+    for pid in pids:
+        if pid == skip:
+            continue
+        with contextlib.suppress(ChildProcessError, OSError):
+            os.waitpid(pid, os.WNOHANG)
+
+
+@dataclass(frozen=True)
+class KillResult:
+    terminated: int  # processes that exited after SIGTERM
+    killed: int  # processes that needed SIGKILL
+    left: int  # processes still there after SIGKILL (should be 0)
+
+
+def kill_tree(tag: str, root_pid: int | None, timeout_s: float) -> KillResult:
+    """SIGTERM the whole tree, wait up to ``timeout_s``, SIGKILL what is left, reap.
+
+    Blocking (it polls); the supervisor runs it in a thread.
+    """
+    procs = find_tree(tag, root_pid)
+    all_pids = {p.pid for p in procs}
+    if not procs:
+        return KillResult(0, 0, 0)
+    signal_all(procs, signal.SIGTERM)
+    if root_pid is not None:
+        with contextlib.suppress(OSError):
+            os.killpg(root_pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    alive = procs
+    while alive and time.monotonic() < deadline:
+        reap_orphans(all_pids, skip=root_pid)
+        time.sleep(0.05)
+        alive = [p for p in find_tree(tag, root_pid)]
+        all_pids |= {p.pid for p in alive}
+    terminated = len(all_pids) - len(alive)
+    killed = len(alive)
+    if alive:
+        log.warning(
+            "engine tree %s: %d process(es) ignored SIGTERM for %.0f s; sending SIGKILL",
+            tag,
+            len(alive),
+            timeout_s,
+        )
+        signal_all(alive, signal.SIGKILL)
+        if root_pid is not None:
+            with contextlib.suppress(OSError):
+                os.killpg(root_pid, signal.SIGKILL)
+        end = time.monotonic() + 5.0
+        while alive and time.monotonic() < end:
+            reap_orphans(all_pids, skip=root_pid)
+            time.sleep(0.05)
+            alive = find_tree(tag, root_pid)
+    reap_orphans(all_pids, skip=root_pid)
+    return KillResult(terminated, killed, len(alive))
+
+
+def port_holder(port: int, host: str = "127.0.0.1") -> tuple[int | None, str] | None:
+    """Who listens on ``host:port``: (pid, name), (None, "unknown") if not ours to see, or None.
+
+    Used to report a foreign process on an engine port by name and pid (never killed).
+    """
+    try:
+        conns = psutil.net_connections(kind="tcp")
+    except (psutil.Error, OSError):
+        conns = []
+    for c in conns:
+        if (
+            c.status == psutil.CONN_LISTEN
+            and c.laddr
+            and c.laddr.port == port
+            and c.laddr.ip in (host, "0.0.0.0", "::", "::ffff:" + host)
+        ):
+            if c.pid is None:
+                return None, "unknown"
+            try:
+                return c.pid, psutil.Process(c.pid).name()
+            except psutil.Error:
+                return c.pid, "unknown"
+    return None
+
+
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True

@@ -1,0 +1,762 @@
+"""The supervisor: the one owner of engine processes (spawn, signal, reap).
+
+Shape (one asyncio loop, one process)::
+
+    main loop tick ──► signals queued by handlers ──► stop / fast stop / reload
+        │          └─► systemd: WATCHDOG=1 (from this tick only), STATUS=, EXTEND_TIMEOUT
+        ├── engine task × N: spawn ─► wait ready ─► watch health ─► stop tree ─► backoff ─┐
+        │        ▲                                                                       │
+        │        └───────────────────────────────────────────────────────────────────────┘
+        ├── telemetry task: GPU readings every interval (in a thread; NVML blocks)
+        └── HTTP listener (the gateway), reading :meth:`Supervisor.engines` snapshots
+
+Signal handlers only put the signal on a queue; the main loop acts on it, so nothing
+complicated ever runs inside a handler. Engine tasks are the only code that moves an
+engine's state, through :meth:`EngineRuntime.set_state`, which checks the transition.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import aiohttp
+from aiohttp import web
+
+from appliance import paths, proctree
+from appliance.config import Config, load_config
+from appliance.engine import (
+    EngineSnapshot,
+    EngineSpec,
+    EngineState,
+    RestartReason,
+    check_transition,
+)
+from appliance.errors import EXIT_NO_ENGINE, EXIT_OK, ApplianceError, ConfigError
+from appliance.health import HealthHistory, Verdict, assess, observe
+from appliance.plan import EnginePlan, plan_engines, usable_cores
+from appliance.reload import merge_live
+from appliance.systemd import Notifier, child_environment
+from appliance.telemetry import GpuReading, TelemetryError, TelemetrySource, open_source
+
+log = logging.getLogger("appliance.supervisor")
+
+STABLE_AFTER_S = 60.0  # READY this long resets the crash backoff
+STARTUP_POLL_S = 0.5
+EXTEND_EVERY_S = 5.0
+EXTEND_BY_S = 30.0
+GPU_MEMORY_WAIT_S = 60.0
+PORT_FREE_WAIT_S = 30.0
+OUTPUT_TAIL_LINES = 30
+
+
+def backoff_delay(consecutive_failures: int, initial_s: float, max_s: float) -> float:
+    """initial, 2×initial, 4×initial, … capped at max (consecutive_failures starts at 1)."""
+    if consecutive_failures <= 0:
+        return 0.0
+    return float(min(max_s, initial_s * (2 ** min(consecutive_failures - 1, 32))))
+
+
+def restart_allowed(restart_times: list[float], now: float, max_per_hour: int) -> bool:
+    """Whether one more restart fits the budget of the last hour."""
+    recent = [t for t in restart_times if now - t < 3600.0]
+    return len(recent) < max_per_hour
+
+
+StartHttp = Callable[["Supervisor"], Awaitable[web.AppRunner]]
+
+
+class InflightView(Protocol):
+    """What the gateway tells the supervisor about work on each engine."""
+
+    def inflight(self, engine_id: int) -> int: ...
+
+
+class _NoInflight:
+    def inflight(self, engine_id: int) -> int:
+        return 0
+
+
+@dataclass
+class EngineRuntime:
+    """Mutable per-engine record. Owned by the supervisor; others see EngineSnapshot."""
+
+    spec: EngineSpec
+    state: EngineState = EngineState.EXITED
+    process: asyncio.subprocess.Process | None = None
+    restarts: int = 0
+    restarts_by_reason: collections.Counter[str] = field(default_factory=collections.Counter)
+    restart_times: list[float] = field(default_factory=list)
+    consecutive_failures: int = 0
+    last_restart_reason: str | None = None
+    health: HealthHistory = field(default_factory=HealthHistory)
+    ready_since: float | None = None
+    output_tail: collections.deque[str] = field(
+        default_factory=lambda: collections.deque(maxlen=OUTPUT_TAIL_LINES)
+    )
+    requested: RestartReason | None = None  # a planned restart asked for (admin, degraded)
+    relay_task: asyncio.Task[None] | None = None
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    listeners: list[Callable[[EngineRuntime, EngineState], None]] = field(default_factory=list)
+
+    def set_state(self, new: EngineState) -> None:
+        old = self.state
+        if old is new:
+            return
+        check_transition(old, new)
+        self.state = new
+        self.ready_since = time.monotonic() if new is EngineState.READY else None
+        log.info("%s: %s -> %s", self.spec.name, old.value, new.value)
+        for listener in self.listeners:
+            listener(self, old)
+
+    def snapshot(self) -> EngineSnapshot:
+        return EngineSnapshot(
+            id=self.spec.id,
+            gpu=self.spec.gpu,
+            port=self.spec.port,
+            state=self.state,
+            api_key=self.spec.api_key,
+            pid=self.process.pid if self.process and self.process.returncode is None else None,
+            restarts=self.restarts,
+            last_restart_reason=self.last_restart_reason,
+            served_model_name=self.spec.served_model_name,
+        )
+
+
+class Supervisor:
+    def __init__(
+        self,
+        config: Config,
+        *,
+        config_arg: str | None = None,
+        notifier: Notifier | None = None,
+        env: Mapping[str, str] | None = None,
+        home: Path | None = None,
+    ) -> None:
+        self.config = config
+        self._config_arg = config_arg
+        self.notifier = notifier or Notifier.from_env()
+        self._env = dict(os.environ if env is None else env)
+        self._home = home or paths.appliance_home(self._env)
+        self._signals: asyncio.Queue[int] = asyncio.Queue()
+        self._stop_event = asyncio.Event()
+        self._fast_stop = False
+        self._stop_task: asyncio.Task[None] | None = None
+        self._exit_code = EXIT_OK
+        self.engines: list[EngineRuntime] = []
+        self.plan: EnginePlan | None = None
+        self.gpu_readings: dict[int, GpuReading] = {}
+        self.telemetry: TelemetrySource | None = None
+        self.accepting = False  # the gateway refuses new requests while False
+        self.started_at = time.time()
+        self.last_tick = time.monotonic()
+        self.inflight_view: InflightView = _NoInflight()
+        self.reload_hooks: list[Callable[[Config], None]] = []
+        self._ready_sent = False
+        self._last_extend = 0.0
+        self._last_status = ""
+        self._restart_lock = asyncio.Lock()  # planned restarts go one at a time
+        self._tasks: list[asyncio.Task[None]] = []
+        self._session: aiohttp.ClientSession | None = None
+
+    # ---- views for the gateway and status ------------------------------------------
+    def snapshots(self) -> list[EngineSnapshot]:
+        return [rt.snapshot() for rt in self.engines]
+
+    @property
+    def ready(self) -> bool:
+        return self.accepting and any(rt.state is EngineState.READY for rt in self.engines)
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop_event.is_set()
+
+    # ---- entry point ----------------------------------------------------------------
+    async def run(self, start_http: StartHttp | None = None) -> int:
+        """Run until stopped; return the exit status."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            loop.add_signal_handler(sig, self._signals.put_nowait, sig)
+        proctree.become_subreaper()
+        runner = None
+        try:
+            self.plan = self._make_plan()
+            self.engines = [EngineRuntime(spec) for spec in self.plan.specs]
+            log.info(
+                "plan: %d %s engine(s) serving %r from %s",
+                len(self.engines),
+                self.plan.device,
+                self.plan.served_model_name,
+                self.plan.model,
+            )
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0), trust_env=False
+            )
+            if start_http is not None:
+                runner = await start_http(self)
+            self.accepting = True
+            self._tasks.append(asyncio.create_task(self._telemetry_loop(), name="telemetry"))
+            for rt in self.engines:
+                self._tasks.append(asyncio.create_task(self._engine_loop(rt), name=rt.spec.name))
+            await self._main_loop()
+        finally:
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                loop.remove_signal_handler(sig)
+            await self._shutdown_tasks()
+            if runner is not None:
+                await runner.cleanup()
+            if self._session is not None:
+                await self._session.close()
+            if self.telemetry is not None:
+                self.telemetry.close()
+            self.notifier.close()
+        return self._exit_code
+
+    def _make_plan(self) -> EnginePlan:
+        self.telemetry = self._open_telemetry()
+        gpu_count = 0
+        if self.config.engine.device != "cpu":
+            from appliance.telemetry import count_nvidia_gpus
+
+            gpu_count = count_nvidia_gpus()
+        return plan_engines(
+            self.config,
+            gpu_count=gpu_count,
+            cores=usable_cores(),
+            home=self._home,
+            base_env=child_environment(self._env),
+        )
+
+    def _open_telemetry(self) -> TelemetrySource:
+        source = self.config.telemetry.source
+        try:
+            return open_source(source)
+        except TelemetryError as exc:
+            if source == "nvml":
+                # The default on a machine with no NVIDIA driver: not an error.
+                log.info("GPU telemetry off: NVML unavailable (%s)", exc)
+            else:
+                log.error(
+                    "telemetry.source = %r cannot be used (%s); GPU telemetry off", source, exc
+                )
+            return open_source("none")
+
+    # ---- main loop ------------------------------------------------------------------
+    def _tick_interval(self) -> float:
+        interval = 0.5
+        wd = self.notifier.watchdog_interval_s
+        return min(interval, wd) if wd else interval
+
+    async def _main_loop(self) -> None:
+        last_watchdog = 0.0
+        while True:
+            try:
+                sig = await asyncio.wait_for(self._signals.get(), self._tick_interval())
+            except TimeoutError:
+                sig = None
+            if sig is not None:
+                self._dispatch_signal(sig)
+            now = time.monotonic()
+            self.last_tick = now
+            wd = self.notifier.watchdog_interval_s
+            if wd is not None and now - last_watchdog >= wd:
+                # From this tick only: if the loop stalls, systemd notices and restarts us.
+                self.notifier.watchdog()
+                last_watchdog = now
+            self._update_systemd(now)
+            if self._stop_task is not None and self._stop_task.done():
+                with contextlib.suppress(asyncio.CancelledError):
+                    self._stop_task.result()
+                return
+            if (
+                self._stop_task is None
+                and self.engines
+                and all(rt.state is EngineState.FAILED for rt in self.engines)
+            ):
+                log.error(
+                    "no engine could be started (all %d FAILED); exiting with status %d",
+                    len(self.engines),
+                    EXIT_NO_ENGINE,
+                )
+                self._exit_code = EXIT_NO_ENGINE
+                self._begin_stop(fast=False)
+
+    def _dispatch_signal(self, sig: int) -> None:
+        name = signal.Signals(sig).name
+        if sig == signal.SIGHUP:
+            log.info("SIGHUP: reloading")
+            self.reload()
+        elif self._stop_task is None:
+            log.info(
+                "%s: stopping gracefully (drain up to %.0f s)",
+                name,
+                self.config.restart.drain_timeout_s,
+            )
+            self._begin_stop(fast=False)
+        elif sig == signal.SIGINT:
+            log.warning("second SIGINT: stopping at once")
+            self._fast_stop = True
+            self._stop_event.set()
+            for rt in self.engines:
+                rt.wake.set()
+
+    def _begin_stop(self, fast: bool) -> None:
+        self._fast_stop = fast
+        self.accepting = False
+        self.notifier.stopping()
+        self._stop_task = asyncio.create_task(self._stop(), name="stop")
+
+    async def _stop(self) -> None:
+        deadline = time.monotonic() + self.config.restart.drain_timeout_s
+        while not self._fast_stop and time.monotonic() < deadline:
+            busy = sum(self.inflight_view.inflight(rt.spec.id) for rt in self.engines)
+            if busy == 0:
+                break
+            await asyncio.sleep(0.1)
+        self._stop_event.set()
+        for rt in self.engines:
+            rt.wake.set()
+        await asyncio.gather(
+            *(t for t in self._tasks if t.get_name().startswith("engine")), return_exceptions=True
+        )
+
+    async def _shutdown_tasks(self) -> None:
+        self._stop_event.set()
+        for rt in self.engines:
+            rt.wake.set()
+        engine_tasks = [t for t in self._tasks if t.get_name().startswith("engine")]
+        if engine_tasks:
+            await asyncio.wait(engine_tasks, timeout=self.config.engine.stop_timeout_s + 15)
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        # Whatever happened above, no engine process may outlive us.
+        for rt in self.engines:
+            await self._kill_tree(rt, timeout_s=0.5 if self._fast_stop else 5.0)
+
+    def reload(self) -> None:
+        self.notifier.reloading()
+        try:
+            new = load_config(self._config_arg, self._env)
+        except ConfigError as exc:
+            log.error(
+                "reload refused; the running config stays in force:\n  %s",
+                "\n  ".join(exc.problems),
+            )
+        else:
+            self.config, live, restart = merge_live(self.config, new)
+            if live:
+                log.info("reload applied: %s", ", ".join(live))
+            if restart:
+                log.warning(
+                    "reload: these keys changed but need a restart "
+                    "(systemctl restart llm-appliance): %s",
+                    ", ".join(restart),
+                )
+        for hook in self.reload_hooks:
+            try:
+                hook(self.config)
+            except Exception:  # a failing hook must not take the daemon down
+                log.exception("reload hook failed")
+        if self._ready_sent:
+            self.notifier.ready()
+
+    # ---- systemd --------------------------------------------------------------------
+    def _update_systemd(self, now: float) -> None:
+        states = [rt.state for rt in self.engines]
+        loading = any(s is EngineState.STARTING for s in states)
+        settled = all(s in (EngineState.READY, EngineState.FAILED) for s in states)
+        if not self._ready_sent and self.accepting and settled:
+            self.notifier.ready()
+            self._ready_sent = True
+        elif (
+            not self._ready_sent
+            and (loading or not settled)
+            and now - self._last_extend >= EXTEND_EVERY_S
+        ):
+            # Models load for minutes; keep systemd's start timeout from firing meanwhile.
+            self.notifier.extend_timeout(EXTEND_BY_S)
+            self._last_extend = now
+        status = self.status_line()
+        if status != self._last_status:
+            self.notifier.status(status)
+            self._last_status = status
+
+    def status_line(self) -> str:
+        n_ready = sum(rt.state is EngineState.READY for rt in self.engines)
+        parts = [f"{n_ready}/{len(self.engines)} engines ready"]
+        if self.stopping or self._stop_task is not None:
+            parts[0] = "stopping; " + parts[0]
+        odd = [
+            f"{rt.spec.name} {rt.state.value}"
+            for rt in self.engines
+            if rt.state is not EngineState.READY
+        ]
+        if odd:
+            parts.append(", ".join(odd))
+        temps = [
+            f"gpu{i} {r.temperature_c:.0f}°C"
+            for i, r in sorted(self.gpu_readings.items())
+            if r.temperature_c is not None
+        ]
+        if temps:
+            parts.append(", ".join(temps))
+        busy = sum(self.inflight_view.inflight(rt.spec.id) for rt in self.engines)
+        parts.append(f"{busy} in flight")
+        return "; ".join(parts)
+
+    # ---- telemetry ------------------------------------------------------------------
+    async def _telemetry_loop(self) -> None:
+        assert self.telemetry is not None
+        warned = False
+        while not self.stopping:
+            try:
+                readings = await asyncio.to_thread(self.telemetry.read)
+                self.gpu_readings = {r.index: r for r in readings}
+                warned = False
+            except Exception as exc:  # a failing sensor source never stops the daemon
+                if not warned:
+                    log.warning("GPU telemetry read failed: %s", exc)
+                    warned = True
+            await asyncio.sleep(self.config.telemetry.interval_s)
+
+    # ---- engines --------------------------------------------------------------------
+    def request_restart(self, engine_id: int, reason: RestartReason) -> bool:
+        """Ask for a planned (drained) restart; False when the engine can't take one now."""
+        rt = self.engines[engine_id]
+        if rt.state not in (
+            EngineState.READY,
+            EngineState.DRAINING,
+            EngineState.FAILED,
+            EngineState.STARTING,
+            EngineState.EXITED,
+        ):
+            return False
+        rt.requested = reason
+        rt.wake.set()
+        return True
+
+    async def _engine_loop(self, rt: EngineRuntime) -> None:
+        """Start, watch and restart one engine until the daemon stops."""
+        while not self.stopping:
+            if rt.state is EngineState.FAILED:
+                # Stays down until an admin asks for a restart.
+                await rt.wake.wait()
+                rt.wake.clear()
+                if self.stopping or rt.requested is None:
+                    continue
+            reason = await self._start_and_watch(rt)
+            await self._stop_engine(rt)
+            if self.stopping or reason is None:
+                break
+            now = time.monotonic()
+            planned = reason in (RestartReason.ADMIN, RestartReason.DEGRADED, RestartReason.HEAT)
+            if reason is not RestartReason.ADMIN:
+                if not restart_allowed(
+                    rt.restart_times, now, self.config.restart.max_restarts_per_hour
+                ):
+                    log.error(
+                        "%s: more than %d restarts within an hour; FAILED until an "
+                        "admin restarts it (last reason: %s)",
+                        rt.spec.name,
+                        self.config.restart.max_restarts_per_hour,
+                        reason.value,
+                    )
+                    rt.set_state(EngineState.FAILED)
+                    continue
+                rt.restart_times.append(now)
+            rt.restarts += 1
+            rt.restarts_by_reason[reason.value] += 1
+            rt.last_restart_reason = reason.value
+            if not planned:
+                rt.consecutive_failures += 1
+                delay = backoff_delay(
+                    rt.consecutive_failures,
+                    self.config.restart.backoff_initial_s,
+                    self.config.restart.backoff_max_s,
+                )
+                log.warning(
+                    "%s: restarting in %.1f s (reason: %s, failure %d in a row)",
+                    rt.spec.name,
+                    delay,
+                    reason.value,
+                    rt.consecutive_failures,
+                )
+                await self._sleep_unless_stopped(rt, delay)
+
+    async def _sleep_unless_stopped(self, rt: EngineRuntime, delay: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stop_event.wait(), delay)
+
+    async def _start_and_watch(self, rt: EngineRuntime) -> RestartReason | None:
+        """Spawn, wait until ready, watch. The reason it must go down, or None to stop."""
+        if rt.state is EngineState.FAILED:
+            # An admin restart of a FAILED engine gets a fresh budget and no backoff.
+            rt.restart_times.clear()
+            rt.consecutive_failures = 0
+        rt.requested = None
+        rt.wake.clear()
+        holder = proctree.port_holder(rt.spec.port)
+        if holder is not None or not proctree.port_is_free(rt.spec.port):
+            pid, pname = holder or (None, "unknown")
+            log.error(
+                "%s: port %d is already in use by %s (pid %s); not starting there and "
+                "not killing it: stop that process or change engine.port_base",
+                rt.spec.name,
+                rt.spec.port,
+                pname,
+                pid if pid is not None else "?",
+            )
+            rt.set_state(EngineState.STARTING)
+            return RestartReason.CRASH
+        rt.set_state(EngineState.STARTING)
+        await self._spawn(rt)
+        reason = await self._wait_ready(rt)
+        if reason is not None or self.stopping:
+            return None if self.stopping else reason
+        rt.set_state(EngineState.READY)
+        return await self._watch(rt)
+
+    async def _spawn(self, rt: EngineRuntime) -> None:
+        spec = rt.spec
+        log.info(
+            "%s: starting on %s, port %d: %s",
+            spec.name,
+            f"GPU {spec.gpu}" if spec.gpu is not None else "CPU",
+            spec.port,
+            " ".join(a if a != spec.api_key else "***" for a in spec.argv),
+        )
+        # Output goes through a pipe of our own rather than asyncio's subprocess pipes:
+        # vLLM's orphaned children keep the write end open after the API server dies, and
+        # asyncio's Process.wait() waits for its pipes to close, so a crash would go
+        # unnoticed for as long as an orphan lives.
+        rfd, wfd = os.pipe()
+        try:
+            rt.process = await asyncio.create_subprocess_exec(
+                *spec.argv,
+                env=dict(spec.env),
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=wfd,
+                stderr=wfd,
+                start_new_session=True,
+            )
+        except OSError as exc:
+            os.close(rfd)
+            log.error("%s: cannot start %s: %s", spec.name, spec.argv[0], exc)
+            rt.process = None
+            return
+        finally:
+            os.close(wfd)
+        rt.relay_task = asyncio.create_task(self._relay_output(rt, rfd), name=f"relay-{spec.name}")
+
+    async def _relay_output(self, rt: EngineRuntime, fd: int) -> None:
+        """Copy the engine tree's output to ours, line by line, prefixed and key-redacted."""
+        loop = asyncio.get_running_loop()
+        reader = asyncio.StreamReader(limit=1 << 20)
+        transport, _ = await loop.connect_read_pipe(
+            lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(fd, "rb", 0)
+        )
+        prefix = f"[{rt.spec.name}] "
+        out = sys.stdout
+        try:
+            while True:
+                try:
+                    raw = await reader.readline()
+                except (ValueError, asyncio.LimitOverrunError):
+                    continue  # an over-long line: drop it rather than stop relaying
+                if not raw:
+                    return
+                line = raw.decode("utf-8", "replace").rstrip()
+                line = line.replace(rt.spec.api_key, "***")
+                rt.output_tail.append(line)
+                out.write(prefix + line + "\n")
+                out.flush()
+        finally:
+            transport.close()
+
+    async def _wait_ready(self, rt: EngineRuntime) -> RestartReason | None:
+        assert self._session is not None
+        proc = rt.process
+        if proc is None:
+            return RestartReason.CRASH
+        deadline = time.monotonic() + self.config.engine.startup_timeout_s
+        while not self.stopping:
+            if proc.returncode is not None:
+                self._log_exit(rt, proc.returncode, "while starting")
+                return RestartReason.CRASH
+            if time.monotonic() > deadline:
+                log.error(
+                    "%s: not ready after %.0f s (engine.startup_timeout_s)",
+                    rt.spec.name,
+                    self.config.engine.startup_timeout_s,
+                )
+                return RestartReason.STARTUP_TIMEOUT
+            obs = await observe(
+                self._session,
+                f"http://127.0.0.1:{rt.spec.port}",
+                rt.spec.api_key,
+                rt.spec.served_model_name,
+                self.config.health.probe_timeout_s,
+            )
+            if obs.health_ok and obs.probe_ok:
+                rt.health = HealthHistory(0, obs.generation_tokens)
+                return None
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(proc.wait()), STARTUP_POLL_S)
+        return None
+
+    def _log_exit(self, rt: EngineRuntime, code: int, when: str) -> None:
+        how = f"signal {signal.Signals(-code).name}" if code < 0 else f"status {code}"
+        tail = "\n    ".join(list(rt.output_tail)[-10:])
+        log.error(
+            "%s: exited with %s %s%s",
+            rt.spec.name,
+            how,
+            when,
+            f"; last output:\n    {tail}" if tail else "",
+        )
+
+    async def _watch(self, rt: EngineRuntime) -> RestartReason | None:
+        """Watch a READY engine until it dies, hangs, or a restart or stop is asked for."""
+        assert self._session is not None and rt.process is not None
+        proc = rt.process
+        exited = asyncio.ensure_future(proc.wait())
+        try:
+            while True:
+                wake = asyncio.ensure_future(rt.wake.wait())
+                done, _ = await asyncio.wait(
+                    {exited, wake},
+                    timeout=self.config.health.interval_s,
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
+                wake.cancel()
+                if exited in done:
+                    self._log_exit(rt, proc.returncode or 0, "while serving")
+                    return RestartReason.CRASH
+                if self.stopping:
+                    return None
+                if rt.requested is not None:
+                    reason = rt.requested
+                    await self._drain(rt)
+                    return reason
+                if (
+                    rt.state is EngineState.READY
+                    and rt.ready_since is not None
+                    and time.monotonic() - rt.ready_since > STABLE_AFTER_S
+                ):
+                    rt.consecutive_failures = 0
+                obs = await observe(
+                    self._session,
+                    f"http://127.0.0.1:{rt.spec.port}",
+                    rt.spec.api_key,
+                    rt.spec.served_model_name,
+                    self.config.health.probe_timeout_s,
+                )
+                if proc.returncode is not None:
+                    continue  # handled at the top: it crashed, it did not hang
+                verdict, rt.health = assess(obs, rt.health, self.config.health.failures_to_restart)
+                if verdict is Verdict.SUSPECT:
+                    log.warning(
+                        "%s: health check failed (%d/%d): %s",
+                        rt.spec.name,
+                        rt.health.consecutive_failures,
+                        self.config.health.failures_to_restart,
+                        obs.detail,
+                    )
+                elif verdict is Verdict.HUNG:
+                    log.error(
+                        "%s: hung (%s) and no tokens flowing; replacing it",
+                        rt.spec.name,
+                        obs.detail,
+                    )
+                    return RestartReason.HUNG
+        finally:
+            exited.cancel()
+
+    async def _drain(self, rt: EngineRuntime) -> None:
+        """Stop routing to it and let in-flight work finish (bounded)."""
+        if rt.state is EngineState.READY:
+            rt.set_state(EngineState.DRAINING)
+        deadline = time.monotonic() + self.config.restart.drain_timeout_s
+        while self.inflight_view.inflight(rt.spec.id) > 0 and not self.stopping:
+            if time.monotonic() > deadline:
+                log.warning(
+                    "%s: %d request(s) still running after %.0f s of draining; restarting anyway",
+                    rt.spec.name,
+                    self.inflight_view.inflight(rt.spec.id),
+                    self.config.restart.drain_timeout_s,
+                )
+                break
+            await asyncio.sleep(0.1)
+
+    async def _stop_engine(self, rt: EngineRuntime) -> None:
+        """Take an engine down: SIGTERM its tree, SIGKILL what stays, wait for its port."""
+        if rt.state in (EngineState.STARTING, EngineState.READY, EngineState.DRAINING):
+            rt.set_state(EngineState.STOPPING)
+        timeout = 0.0 if self._fast_stop else self.config.engine.stop_timeout_s
+        await self._kill_tree(rt, timeout)
+        if rt.state is not EngineState.FAILED:
+            rt.set_state(EngineState.EXITED)
+        if self.stopping:
+            return
+        await self._wait_resources_free(rt)
+
+    async def _kill_tree(self, rt: EngineRuntime, timeout_s: float) -> None:
+        proc = rt.process
+        root = proc.pid if proc is not None else None
+        result = await asyncio.to_thread(proctree.kill_tree, rt.spec.tag, root, timeout_s)
+        if proc is not None:
+            with contextlib.suppress(TimeoutError, ProcessLookupError):
+                await asyncio.wait_for(proc.wait(), 5.0)
+        if result.killed:
+            log.warning("%s: %d process(es) needed SIGKILL", rt.spec.name, result.killed)
+        if result.left:
+            log.error("%s: %d process(es) survived SIGKILL", rt.spec.name, result.left)
+
+    async def _wait_resources_free(self, rt: EngineRuntime) -> None:
+        deadline = time.monotonic() + PORT_FREE_WAIT_S
+        while not proctree.port_is_free(rt.spec.port) and time.monotonic() < deadline:
+            if proctree.port_holder(rt.spec.port) is not None:
+                break  # someone else's now: reported when we try to start
+            await asyncio.sleep(0.2)
+        gpu = rt.spec.gpu
+        if gpu is None:
+            return
+        # vLLM's orphans used to keep GPU memory after the API server died (vllm#55510);
+        # a new engine started before it is released fails to allocate its KV cache.
+        deadline = time.monotonic() + GPU_MEMORY_WAIT_S
+        while time.monotonic() < deadline and not self.stopping:
+            r = self.gpu_readings.get(gpu)
+            if r is None or r.memory_used_bytes is None or r.memory_total_bytes is None:
+                return
+            if r.memory_used_bytes < 0.1 * r.memory_total_bytes:
+                return
+            await asyncio.sleep(self.config.telemetry.interval_s)
+        log.warning(
+            "%s: GPU %d memory still in use after %.0f s; starting anyway",
+            rt.spec.name,
+            gpu,
+            GPU_MEMORY_WAIT_S,
+        )
+
+
+async def serve(config: Config, config_arg: str | None = None) -> int:
+    from appliance.gateway.app import start_gateway
+
+    supervisor = Supervisor(config, config_arg=config_arg)
+    try:
+        return await supervisor.run(start_http=start_gateway)
+    except ApplianceError as exc:
+        log.error("%s", exc)
+        return exc.exit_code

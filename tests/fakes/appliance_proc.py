@@ -1,0 +1,248 @@
+"""Run `llm-appliance serve` as a real process for integration tests.
+
+The daemon is started the way an admin would start it (its console script, a TOML
+config, real signals), with engines replaced by the fake engine through the
+``engine.command`` override. Teardown kills whatever is left of the daemon and every
+engine tree, even when a test fails half-way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from tests.fakes.engine_proc import FAKE_ENGINE_PATH, free_port
+
+REPO = Path(__file__).resolve().parents[2]
+CLI = [sys.executable, "-m", "appliance.cli"]
+
+
+def toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, list):
+        return "[" + ", ".join(toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{k} = {toml_value(x)}" for k, x in v.items()) + "}"
+    return str(v)
+
+
+def write_config(path: Path, sections: dict[str, dict[str, Any]]) -> Path:
+    lines = []
+    for name, values in sections.items():
+        lines.append(f"[{name}]")
+        lines += [f"{k} = {toml_value(v)}" for k, v in values.items()]
+        lines.append("")
+    path.write_text("\n".join(lines))
+    return path
+
+
+def fake_engine_config(
+    tmp: Path, engines: int = 2, *fake_args: str, **overrides: dict[str, Any]
+) -> dict[str, dict[str, Any]]:
+    """A config whose engines are fake engines on free ports, checked fast."""
+    gw_port = free_port()
+    port_base = _free_port_run(engines)
+    cfg: dict[str, dict[str, Any]] = {
+        "gateway": {"port": gw_port, "keys_file": str(tmp / "keys.json")},
+        "engine": {
+            "device": "cpu",
+            "cpu_engines": engines,
+            "port_base": port_base,
+            "command": [
+                sys.executable,
+                FAKE_ENGINE_PATH,
+                "--port",
+                "{port}",
+                "--api-key",
+                "{api_key}",
+                "--served-model-name",
+                "{served_model_name}",
+                "--disable-uvicorn-access-log",
+                *fake_args,
+            ],
+            "startup_timeout_s": 20,
+            "stop_timeout_s": 5,
+        },
+        "telemetry": {"source": "none", "interval_s": 0.2},
+        "health": {"interval_s": 0.3, "probe_timeout_s": 1.0, "failures_to_restart": 2},
+        "restart": {"backoff_initial_s": 0.2, "backoff_max_s": 1, "drain_timeout_s": 5},
+    }
+    for section, values in overrides.items():
+        cfg.setdefault(section, {}).update(values)
+    return cfg
+
+
+def _free_port_run(n: int) -> int:
+    """The first of n consecutive free ports (engines use port_base + i)."""
+    for _ in range(50):
+        base = free_port()
+        if base + n > 65535:
+            continue
+        ok = True
+        for p in range(base, base + n):
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", p))
+                except OSError:
+                    ok = False
+                    break
+        if ok:
+            return base
+    raise RuntimeError("no run of free ports")
+
+
+def get_json(
+    url: str, timeout: float = 2.0, headers: dict[str, str] | None = None
+) -> tuple[int | None, Any]:
+    req = urllib.request.Request(url, headers=headers or {})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read() or b"null")
+    except urllib.error.HTTPError as e:
+        body = e.read()
+        try:
+            return e.code, json.loads(body or b"null")
+        except ValueError:
+            return e.code, body.decode(errors="replace")
+    except (OSError, ValueError):
+        return None, None
+
+
+@dataclass
+class Appliance:
+    proc: subprocess.Popen[bytes]
+    config: dict[str, dict[str, Any]]
+    log_path: Path
+    known_pids: set[int] = field(default_factory=set)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.config['gateway']['port']}"
+
+    def engine_port(self, i: int) -> int:
+        return int(self.config["engine"]["port_base"]) + i
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        self.wait_for(lambda: get_json(self.url + "/readyz")[0] == 200, timeout, "readyz 200")
+
+    def wait_for(self, cond: Any, timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None and not cond():
+                raise AssertionError(
+                    f"daemon exited ({self.proc.returncode}) before {what}:\n" + self.log()[-4000:]
+                )
+            if cond():
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"timed out waiting for {what}:\n" + self.log()[-4000:])
+
+    def engine_stats(self, i: int) -> dict[str, Any] | None:
+        status, body = get_json(f"http://127.0.0.1:{self.engine_port(i)}/fake/stats", 1.0)
+        return body if status == 200 else None
+
+    def engine_control(self, i: int, **knobs: Any) -> None:
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{self.engine_port(i)}/fake/control",
+            data=json.dumps(knobs).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with contextlib.suppress(OSError):
+            urllib.request.urlopen(req, timeout=2).read()
+
+    def tree(self) -> list[psutil.Process]:
+        try:
+            return psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.Error:
+            return []
+
+    def remember_tree(self) -> set[int]:
+        pids = {p.pid for p in self.tree()}
+        for i in range(int(self.config["engine"].get("cpu_engines", 1))):
+            stats = self.engine_stats(i)
+            if stats and stats.get("child_pid"):
+                pids.add(int(stats["child_pid"]))
+        self.known_pids |= pids
+        return pids
+
+    def signal(self, sig: int) -> None:
+        self.proc.send_signal(sig)
+
+    def wait_exit(self, timeout: float = 30.0) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError("daemon did not exit:\n" + self.log()[-4000:]) from None
+
+
+def alive(pids: set[int]) -> set[int]:
+    out = set()
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                out.add(pid)
+    return out
+
+
+@contextlib.contextmanager
+def run_appliance(
+    tmp: Path, config: dict[str, dict[str, Any]], env: dict[str, str] | None = None
+) -> Iterator[Appliance]:
+    cfg_path = write_config(tmp / "config.toml", config)
+    log_path = tmp / "appliance.log"
+    full_env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
+    }
+    full_env["PYTHONPATH"] = str(REPO)
+    full_env.setdefault("LLM_APPLIANCE_HOME", str(tmp / "home"))
+    full_env.update(env or {})
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [*CLI, "serve", "--config", str(cfg_path)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=full_env,
+            cwd=REPO,
+        )
+    app = Appliance(proc, config, log_path)
+    try:
+        yield app
+    finally:
+        app.remember_tree() if proc.poll() is None else None
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(10)
+        for pid in alive(app.known_pids):
+            with contextlib.suppress(psutil.Error):
+                psutil.Process(pid).kill()
+        # Engines tagged by this daemon that we never saw (started after the last look).
+        for p in psutil.process_iter(["pid", "cmdline"]):
+            with contextlib.suppress(psutil.Error):
+                cmd = " ".join(p.info["cmdline"] or [])
+                if FAKE_ENGINE_PATH in cmd and any(
+                    f"--port {app.engine_port(i)}" in cmd
+                    for i in range(int(config["engine"].get("cpu_engines", 1)))
+                ):
+                    p.kill()

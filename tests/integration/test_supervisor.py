@@ -1,0 +1,271 @@
+"""The supervisor as an admin meets it: a real daemon, real signals, fake engines.
+
+Each test starts `llm-appliance serve` with engines replaced by the fake engine (which
+imitates vLLM's API, metrics and its habit of leaving an EngineCore child behind) and
+checks what can be seen from outside: readiness, engine processes, exit statuses, the
+systemd notify datagrams.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.fakes.appliance_proc import (
+    alive,
+    fake_engine_config,
+    get_json,
+    run_appliance,
+)
+
+pytestmark = pytest.mark.slow
+
+
+def test_ready_then_sigterm_leaves_no_engine_process(tmp_path: Path) -> None:
+    cfg = fake_engine_config(tmp_path, 2, "--spawn-child")
+    with run_appliance(tmp_path, cfg) as app:
+        app.wait_ready()
+        pids = app.remember_tree()
+        children = {app.engine_stats(i)["child_pid"] for i in range(2)}  # type: ignore[index]
+        assert children <= pids and len(pids) >= 4  # 2 API servers + 2 EngineCores
+        app.signal(signal.SIGTERM)
+        assert app.wait_exit() == 0
+        assert alive(pids) == set()
+        assert "engine0: STOPPING -> EXITED" in app.log()
+
+
+def test_sigkill_of_api_server_removes_orphan_and_restarts(tmp_path: Path) -> None:
+    cfg = fake_engine_config(tmp_path, 2, "--spawn-child")
+    with run_appliance(tmp_path, cfg) as app:
+        app.wait_ready()
+        before = app.engine_stats(0)
+        assert before is not None
+        api_pid, core_pid = before["pid"], before["child_pid"]
+        os.kill(api_pid, signal.SIGKILL)
+        app.wait_for(
+            lambda: (s := app.engine_stats(0)) is not None and s["pid"] != api_pid,
+            20,
+            "engine0 replaced",
+        )
+        # The orphaned "EngineCore" of the killed server must be gone, not left holding
+        # (GPU) memory next to the new engine.
+        app.wait_for(lambda: not alive({core_pid}), 5, "orphan EngineCore gone")
+        assert "engine0: exited with signal SIGKILL while serving" in app.log()
+        # Engine 1 was never touched.
+        assert app.engine_stats(1)["pid"] != api_pid  # type: ignore[index]
+        assert get_json(app.url + "/readyz")[0] == 200
+
+
+def test_sigstopped_engine_is_detected_and_replaced(tmp_path: Path) -> None:
+    cfg = fake_engine_config(tmp_path, 1)
+    with run_appliance(tmp_path, cfg) as app:
+        app.wait_ready()
+        stopped = app.engine_stats(0)["pid"]  # type: ignore[index]
+        os.kill(stopped, signal.SIGSTOP)
+        try:
+            app.wait_for(
+                lambda: (s := app.engine_stats(0)) is not None and s["pid"] != stopped,
+                30,
+                "stopped engine replaced",
+            )
+        finally:
+            if alive({stopped}):
+                os.kill(stopped, signal.SIGCONT)
+        assert "hung" in app.log()
+        assert not alive({stopped})
+
+
+def test_hung_engine_that_still_answers_health_is_replaced(tmp_path: Path) -> None:
+    # vllm#39863: /health says 200 while no token ever comes back.
+    cfg = fake_engine_config(tmp_path, 1)
+    with run_appliance(tmp_path, cfg) as app:
+        app.wait_ready()
+        pid = app.engine_stats(0)["pid"]  # type: ignore[index]
+        app.engine_control(0, hang=True)
+        app.wait_for(
+            lambda: (s := app.engine_stats(0)) is not None and s["pid"] != pid,
+            30,
+            "hung engine replaced",
+        )
+        assert "hung" in app.log()
+
+
+def test_engine_that_exits_at_once_backs_off_then_fails_and_daemon_exits_3(tmp_path: Path) -> None:
+    cfg = fake_engine_config(
+        tmp_path,
+        2,
+        "--exit-immediately",
+        "7",
+        restart={"max_restarts_per_hour": 2, "backoff_initial_s": 0.2, "backoff_max_s": 0.4},
+    )
+    with run_appliance(tmp_path, cfg) as app:
+        code = app.wait_exit(60)
+        log = app.log()
+    assert code == 3, log[-3000:]
+    assert "exited with status 7 while starting" in log
+    assert "restarting in 0.2 s" in log and "restarting in 0.4 s" in log  # backoff doubles
+    assert "engine0: EXITED -> FAILED" in log and "engine1: EXITED -> FAILED" in log
+    assert "no engine could be started" in log
+
+
+def test_notify_messages_in_order_and_children_do_not_inherit_socket(tmp_path: Path) -> None:
+    sock_path = str(tmp_path / "notify.sock")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(sock_path)
+    sock.settimeout(0.2)
+    messages: list[str] = []
+
+    def drain() -> None:
+        while True:
+            try:
+                messages.append(sock.recv(4096).decode())
+            except TimeoutError:
+                return
+
+    cfg = fake_engine_config(tmp_path, 2, "--startup-delay", "1")
+    env = {"NOTIFY_SOCKET": sock_path, "WATCHDOG_USEC": "2000000"}
+    try:
+        with run_appliance(tmp_path, cfg, env=env) as app:
+            env["WATCHDOG_PID"] = str(app.proc.pid)
+            app.wait_ready()
+            time.sleep(1.5)
+            drain()
+            for i in range(2):
+                engine_env = psutil.Process(app.engine_stats(i)["pid"]).environ()  # type: ignore[index]
+                assert "NOTIFY_SOCKET" not in engine_env
+                assert "WATCHDOG_USEC" not in engine_env
+            app.signal(signal.SIGHUP)
+            time.sleep(0.5)
+            app.signal(signal.SIGTERM)
+            assert app.wait_exit() == 0
+            drain()
+    finally:
+        sock.close()
+    flat = [line for m in messages for line in m.split("\n")]
+    ready = flat.index("READY=1")
+    # Engines took a second to load: the start timeout was extended before READY.
+    assert any(m.startswith("EXTEND_TIMEOUT_USEC=") for m in flat[:ready])
+    assert any(m.startswith("STATUS=0/2 engines ready") for m in flat[:ready])
+    assert any(m.startswith("STATUS=2/2 engines ready") for m in flat)
+    assert "WATCHDOG=1" in flat[ready:]
+    reloading = flat.index("RELOADING=1")
+    assert reloading > ready and "READY=1" in flat[reloading:]
+    assert flat.index("STOPPING=1") > reloading
+
+
+def test_sighup_keeps_engines_running(tmp_path: Path) -> None:
+    cfg = fake_engine_config(tmp_path, 1)
+    with run_appliance(tmp_path, cfg) as app:
+        app.wait_ready()
+        pid = app.engine_stats(0)["pid"]  # type: ignore[index]
+        cfg_path = tmp_path / "config.toml"
+        cfg_path.write_text(
+            cfg_path.read_text().replace("port_base", "max_inflight = 3\nport_base")
+        )
+        app.signal(signal.SIGHUP)
+        app.wait_for(lambda: "reload applied: engine.max_inflight" in app.log(), 5, "reload")
+        assert app.engine_stats(0)["pid"] == pid  # type: ignore[index]
+        cfg_path.write_text(cfg_path.read_text().replace("max_inflight = 3", "max_inflight = 0"))
+        app.signal(signal.SIGHUP)
+        app.wait_for(lambda: "reload refused" in app.log(), 5, "bad reload refused")
+        assert "engine.max_inflight = 0: must be >= 1" in app.log()
+        assert get_json(app.url + "/readyz")[0] == 200
+
+
+def test_second_sigint_stops_at_once(tmp_path: Path) -> None:
+    cfg = fake_engine_config(tmp_path, 1, "--spawn-child", "--token-delay-ms", "200")
+    with run_appliance(tmp_path, cfg) as app:
+        app.wait_ready()
+        pids = app.remember_tree()
+        app.signal(signal.SIGINT)
+        time.sleep(0.3)
+        app.signal(signal.SIGINT)
+        started = time.monotonic()
+        assert app.wait_exit(15) == 0
+        assert time.monotonic() - started < 10
+        assert "second SIGINT" in app.log()
+        assert alive(pids) == set()
+
+
+def test_foreign_process_on_engine_port_is_named_not_killed(tmp_path: Path) -> None:
+    cfg = fake_engine_config(
+        tmp_path, 1, restart={"max_restarts_per_hour": 1, "backoff_initial_s": 0.1}
+    )
+    squatter = socket.socket()
+    squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    squatter.bind(("127.0.0.1", cfg["engine"]["port_base"]))
+    squatter.listen()
+    try:
+        with run_appliance(tmp_path, cfg) as app:
+            code = app.wait_exit(30)
+            log = app.log()
+        assert code == 3
+        assert f"port {cfg['engine']['port_base']} is already in use by" in log
+        assert f"(pid {os.getpid()})" in log
+        assert squatter.fileno() != -1  # still ours, still listening
+    finally:
+        squatter.close()
+
+
+def test_bad_config_exits_2_and_starts_nothing(tmp_path: Path) -> None:
+    cfg = fake_engine_config(tmp_path, 1, engine={"max_inflight": -1, "devcie": "cpu"})
+    with run_appliance(tmp_path, cfg) as app:
+        code = app.wait_exit()
+        log = app.log()
+    assert code == 2
+    assert "engine.max_inflight = -1: must be >= 1" in log
+    assert "engine.devcie: unknown key (did you mean 'device'?)" in log
+    assert "starting on" not in log
+
+
+def test_missing_engine_venv_names_the_setup_command(tmp_path: Path) -> None:
+    cfg = fake_engine_config(tmp_path, 1)
+    del cfg["engine"]["command"]  # the real vLLM command line, from an empty set-up home
+    with run_appliance(tmp_path, cfg, env={"LLM_APPLIANCE_HOME": str(tmp_path / "empty")}) as app:
+        code = app.wait_exit()
+        log = app.log()
+    assert code == 3
+    assert "llm-appliance setup" in log and "engine venv" in log
+
+
+def test_gateway_port_taken_is_named(tmp_path: Path) -> None:
+    cfg = fake_engine_config(tmp_path, 1)
+    squatter = socket.socket()
+    squatter.bind(("127.0.0.1", cfg["gateway"]["port"]))
+    squatter.listen()
+    try:
+        with run_appliance(tmp_path, cfg) as app:
+            code = app.wait_exit()
+            log = app.log()
+        assert code == 1
+        assert f"cannot listen on 127.0.0.1:{cfg['gateway']['port']}" in log
+        assert "starting on" not in log
+    finally:
+        squatter.close()
+
+
+def test_missing_config_file_is_exit_2(tmp_path: Path) -> None:
+    import subprocess
+
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "appliance.cli",
+            "check-config",
+            "--config",
+            str(tmp_path / "nope.toml"),
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])},
+    )
+    assert out.returncode == 2
+    assert "no such file" in out.stderr
