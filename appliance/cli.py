@@ -82,6 +82,11 @@ def build_parser() -> argparse.ArgumentParser:
     setup_mod.add_arguments(p)
     p.set_defaults(func=setup_mod.run)
 
+    from appliance import status
+    from appliance.gateway import keys_cli
+
+    keys_cli.add_parser(sub, common)
+    status.add_parser(sub, common)
     return parser
 
 

@@ -18,6 +18,7 @@ import ipaddress
 import math
 import os
 import re
+import string
 import sys
 import tomllib
 import types
@@ -33,6 +34,11 @@ DEFAULT_CONFIG_PATH = Path("/etc/llm-appliance/config.toml")
 CONFIG_ENV = "LLM_APPLIANCE_CONFIG"
 COMMAND_PLACEHOLDERS = frozenset({"python", "model", "port", "gpu", "api_key", "served_model_name"})
 MAX_GPUS = 8
+# The supervisor's own variables: the tree tag finds an engine's processes, systemd's
+# socket must never reach an engine, and GPU pinning is engine i -> GPU i.
+RESERVED_ENGINE_ENV = frozenset(
+    {"LLM_APPLIANCE_ENGINE", "NOTIFY_SOCKET", "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER"}
+)
 
 Device = Literal["auto", "cuda", "cpu"]
 
@@ -127,6 +133,12 @@ class EngineConfig:
         64,
         "Requests admitted to one engine at once; more wait in the "
         "gateway's queue. The thermal governor lowers it on a hot GPU.",
+        lo=1,
+    )
+    max_inflight_tokens: int = _f(
+        131072,
+        "Tokens admitted to one engine at once (each request counts its prompt estimate "
+        "plus max_tokens); the thermal governor lowers it with max_inflight.",
         lo=1,
     )
     extra_args: list[str] = _f([], "Appended to the vLLM command line.")
@@ -277,7 +289,9 @@ def _coerce(value: Any, tp: Any) -> tuple[bool, Any]:
         return isinstance(value, int) and not isinstance(value, bool), value
     if tp is float:
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        return ok and math.isfinite(value), float(value) if ok else value
+        # TOML integers are unbounded; one too big for a float is just out of range.
+        ok = ok and abs(value) <= sys.float_info.max and math.isfinite(value)
+        return ok, float(value) if ok else value
     if tp is str:
         return isinstance(value, str), value
     if origin is Literal:
@@ -337,7 +351,7 @@ def _build_section(name: str, cls: type[Any], raw: Any, problems: list[str]) -> 
                 problems.append(f"{name}.{key} = {_show(value)}: must be {bound}")
                 continue
             if hi is not None and converted > hi:
-                low = f">= {lo:g} and " if lo is not None else ""
+                low = f"{'>' if lo_open else '>='} {lo:g} and " if lo is not None else ""
                 problems.append(f"{name}.{key} = {_show(value)}: must be {low}<= {hi:g}")
                 continue
         values[key] = converted
@@ -376,12 +390,10 @@ def _cross_check(cfg: Config, problems: list[str]) -> None:
                 'engine.gpus: a GPU list needs engine.device = "cuda" or "auto" '
                 '(with device = "cpu" use engine.cpu_engines)'
             )
-    count = (
-        e.cpu_engines
-        if e.device == "cpu"
-        else len(e.gpus)
-        if isinstance(e.gpus, list)
-        else MAX_GPUS
+    gpu_engines = len(e.gpus) if isinstance(e.gpus, list) else MAX_GPUS
+    # With device = "auto" the machine decides: GPUs if it has them, else CPU engines.
+    count = {"cpu": e.cpu_engines, "cuda": gpu_engines}.get(
+        e.device, max(gpu_engines, e.cpu_engines)
     )
     if e.port_base + count - 1 > 65535:
         problems.append(f"engine.port_base = {e.port_base}: engine ports would pass 65535")
@@ -391,7 +403,14 @@ def _cross_check(cfg: Config, problems: list[str]) -> None:
             f"{e.port_base}..{e.port_base + count - 1} (engine.port_base)"
         )
     for i, arg in enumerate(e.command):
-        for name in re.findall(r"{([^{}]*)}", arg):
+        try:
+            names = [f for _, f, _, _ in string.Formatter().parse(arg) if f is not None]
+        except ValueError as exc:
+            problems.append(
+                f"engine.command[{i}] = {_show(arg)}: {exc} (write a literal brace as {{{{ or }}}})"
+            )
+            continue
+        for name in names:
             if name not in COMMAND_PLACEHOLDERS:
                 problems.append(
                     f"engine.command[{i}] = {_show(arg)}: unknown placeholder "
@@ -401,6 +420,11 @@ def _cross_check(cfg: Config, problems: list[str]) -> None:
     for key in e.env:
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
             problems.append(f"engine.env.{key}: not a valid environment variable name")
+        elif key in RESERVED_ENGINE_ENV or key.startswith("WATCHDOG_"):
+            problems.append(
+                f"engine.env.{key}: set by the supervisor and not overridable "
+                f"(reserved: {', '.join(sorted(RESERVED_ENGINE_ENV))}, WATCHDOG_*)"
+            )
     if not (t.source in ("nvml", "none") or (t.source.startswith("file:") and len(t.source) > 5)):
         problems.append(
             f'telemetry.source = {_show(t.source)}: must be one of "nvml", '

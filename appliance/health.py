@@ -18,12 +18,22 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 PROBE_PROMPT = "Hi"
+ENGINE_METRICS = frozenset(
+    {
+        "vllm:generation_tokens_total",
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:num_preemptions_total",
+    }
+)
 
 
 class Verdict(enum.Enum):
@@ -39,6 +49,9 @@ class Observation:
     generation_tokens: float | None = None  # vllm:generation_tokens_total (all labels)
     running: float | None = None  # vllm:num_requests_running
     detail: str = ""  # why a layer failed, for the log
+    waiting: float | None = None  # vllm:num_requests_waiting
+    kv_cache_usage: float | None = None  # vllm:kv_cache_usage_perc (0..1)
+    preemptions_total: float | None = None  # vllm:num_preemptions_total
 
 
 @dataclass(frozen=True)
@@ -68,7 +81,7 @@ def assess(
     return verdict, HealthHistory(failures, tokens)
 
 
-def metric_sums(text: str, names: set[str]) -> dict[str, float]:
+def metric_sums(text: str, names: Collection[str]) -> dict[str, float]:
     """Sum the samples of each named metric over all label sets (vLLM labels per model)."""
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
@@ -84,8 +97,7 @@ async def observe(
     """Run layers 2-4 against one engine, each bounded by ``timeout_s``."""
     detail: list[str] = []
     health_ok = probe_ok = False
-    gen: float | None = None
-    running: float | None = None
+    sums: dict[str, float] = {}
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     try:
         async with session.get(f"{base_url}/health", timeout=timeout) as resp:
@@ -97,11 +109,7 @@ async def observe(
     try:
         async with session.get(f"{base_url}/metrics", timeout=timeout) as resp:
             if resp.status == 200:
-                sums = metric_sums(
-                    await resp.text(), {"vllm:generation_tokens_total", "vllm:num_requests_running"}
-                )
-                gen = sums.get("vllm:generation_tokens_total")
-                running = sums.get("vllm:num_requests_running")
+                sums = metric_sums(await resp.text(), ENGINE_METRICS)
     except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
         detail.append(f"/metrics: {type(exc).__name__}")
     if health_ok:
@@ -121,11 +129,13 @@ async def observe(
         except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
             waited = time.monotonic() - started
             detail.append(f"probe: {type(exc).__name__} after {waited:.1f} s")
-    return Observation(health_ok, probe_ok, gen, running, "; ".join(detail))
-
-
-async def wait_until_ready(
-    session: aiohttp.ClientSession, base_url: str, api_key: str, model: str, probe_timeout_s: float
-) -> Observation:
-    """One startup check: /health then a real completion (the warm-up probe)."""
-    return await observe(session, base_url, api_key, model, probe_timeout_s)
+    return Observation(
+        health_ok,
+        probe_ok,
+        sums.get("vllm:generation_tokens_total"),
+        sums.get("vllm:num_requests_running"),
+        "; ".join(detail),
+        waiting=sums.get("vllm:num_requests_waiting"),
+        kv_cache_usage=sums.get("vllm:kv_cache_usage_perc"),
+        preemptions_total=sums.get("vllm:num_preemptions_total"),
+    )

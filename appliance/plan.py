@@ -49,7 +49,8 @@ def resolve_python_and_model(config: Config, home: Path) -> tuple[str, str]:
     """The engine python and model, checked to exist where we can tell."""
     e = config.engine
     python = e.python or str(paths.engine_python(home))
-    model = e.model or str(paths.packaged_model(home))
+    # vLLM gets the argv without a shell: expand ~ here or it reaches vLLM literally.
+    model = str(Path(e.model).expanduser()) if e.model else str(paths.packaged_model(home))
     need_python = not e.command or _uses(config, "python")
     need_model = not e.command or _uses(config, "model")
     if need_python and not Path(python).exists():

@@ -14,7 +14,6 @@ from appliance.config import SECTIONS, Config
 
 LIVE_KEYS: frozenset[str] = frozenset(
     {
-        "gateway.max_body_bytes",
         "gateway.max_tokens_cap",
         "gateway.max_queue",
         "gateway.queue_timeout_s",

@@ -43,8 +43,9 @@ from appliance.engine import (
     check_transition,
 )
 from appliance.errors import EXIT_NO_ENGINE, EXIT_OK, ApplianceError, ConfigError
-from appliance.health import HealthHistory, Verdict, assess, observe
+from appliance.health import HealthHistory, Observation, Verdict, assess, observe
 from appliance.plan import EnginePlan, plan_engines, usable_cores
+from appliance.policy.thermal import ThermalPolicy, govern
 from appliance.reload import merge_live
 from appliance.systemd import Notifier, child_environment
 from appliance.telemetry import GpuReading, TelemetryError, TelemetrySource, open_source
@@ -76,15 +77,35 @@ def restart_allowed(restart_times: list[float], now: float, max_per_hour: int) -
 StartHttp = Callable[["Supervisor"], Awaitable[web.AppRunner]]
 
 
-class InflightView(Protocol):
-    """What the gateway tells the supervisor about work on each engine."""
+class GatewayLink(Protocol):
+    """What the supervisor tells the gateway and asks of it (implemented by Gateway)."""
 
     def inflight(self, engine_id: int) -> int: ...
+    def observe_kv(self, engine_id: int, usage: float | None) -> None: ...
+    def set_throttle(self, engine_id: int, level: int) -> None: ...
+    def engines_changed(self) -> None: ...
+    def stopping(self) -> None: ...
+    def reload(self) -> None: ...
 
 
-class _NoInflight:
+class _NoGateway:
     def inflight(self, engine_id: int) -> int:
         return 0
+
+    def observe_kv(self, engine_id: int, usage: float | None) -> None:
+        pass
+
+    def set_throttle(self, engine_id: int, level: int) -> None:
+        pass
+
+    def engines_changed(self) -> None:
+        pass
+
+    def stopping(self) -> None:
+        pass
+
+    def reload(self) -> None:
+        pass
 
 
 @dataclass
@@ -106,6 +127,8 @@ class EngineRuntime:
     )
     requested: RestartReason | None = None  # a planned restart asked for (admin, degraded)
     relay_task: asyncio.Task[None] | None = None
+    last_observation: Observation | None = None
+    held: bool = False  # drained by an admin: stays DRAINING until resumed
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     listeners: list[Callable[[EngineRuntime, EngineState], None]] = field(default_factory=list)
 
@@ -161,8 +184,8 @@ class Supervisor:
         self.accepting = False  # the gateway refuses new requests while False
         self.started_at = time.time()
         self.last_tick = time.monotonic()
-        self.inflight_view: InflightView = _NoInflight()
-        self.reload_hooks: list[Callable[[Config], None]] = []
+        self.link: GatewayLink = _NoGateway()
+        self.levels: dict[int, int] = {}  # telemetry index -> thermal throttle level
         self._ready_sent = False
         self._last_extend = 0.0
         self._last_status = ""
@@ -193,6 +216,8 @@ class Supervisor:
         try:
             self.plan = self._make_plan()
             self.engines = [EngineRuntime(spec) for spec in self.plan.specs]
+            for rt in self.engines:
+                rt.listeners.append(lambda _rt, _old: self.link.engines_changed())
             log.info(
                 "plan: %d %s engine(s) serving %r from %s",
                 len(self.engines),
@@ -315,12 +340,13 @@ class Supervisor:
         self._fast_stop = fast
         self.accepting = False
         self.notifier.stopping()
+        self.link.stopping()
         self._stop_task = asyncio.create_task(self._stop(), name="stop")
 
     async def _stop(self) -> None:
         deadline = time.monotonic() + self.config.restart.drain_timeout_s
         while not self._fast_stop and time.monotonic() < deadline:
-            busy = sum(self.inflight_view.inflight(rt.spec.id) for rt in self.engines)
+            busy = sum(self.link.inflight(rt.spec.id) for rt in self.engines)
             if busy == 0:
                 break
             await asyncio.sleep(0.1)
@@ -364,11 +390,10 @@ class Supervisor:
                     "(systemctl restart llm-appliance): %s",
                     ", ".join(restart),
                 )
-        for hook in self.reload_hooks:
-            try:
-                hook(self.config)
-            except Exception:  # a failing hook must not take the daemon down
-                log.exception("reload hook failed")
+        try:
+            self.link.reload()
+        except Exception:  # a failing key reload must not take the daemon down
+            log.exception("reloading keys failed")
         if self._ready_sent:
             self.notifier.ready()
 
@@ -412,7 +437,7 @@ class Supervisor:
         ]
         if temps:
             parts.append(", ".join(temps))
-        busy = sum(self.inflight_view.inflight(rt.spec.id) for rt in self.engines)
+        busy = sum(self.link.inflight(rt.spec.id) for rt in self.engines)
         parts.append(f"{busy} in flight")
         return "; ".join(parts)
 
@@ -429,7 +454,31 @@ class Supervisor:
                 if not warned:
                     log.warning("GPU telemetry read failed: %s", exc)
                     warned = True
+            self._govern()
             await asyncio.sleep(self.config.telemetry.interval_s)
+
+    def throttle_levels(self) -> dict[int, int]:
+        return dict(self.levels)
+
+    def _govern(self) -> None:
+        """Thermal governor: one level per GPU from its reading; the gateway admits less."""
+        policy = ThermalPolicy.from_config(self.config.thermal)
+        for index, reading in self.gpu_readings.items():
+            old = self.levels.get(index, 0)
+            new = govern(reading.temperature_c, reading.throttle_reasons, old, policy)
+            if new != old:
+                log.warning(
+                    "gpu%d: throttle level %d -> %d (%s°C%s)",
+                    index,
+                    old,
+                    new,
+                    "?" if reading.temperature_c is None else f"{reading.temperature_c:.0f}",
+                    ", " + ",".join(reading.throttle_reasons) if reading.throttle_reasons else "",
+                )
+            self.levels[index] = new
+        for rt in self.engines:
+            key = rt.spec.gpu if rt.spec.gpu is not None else rt.spec.id
+            self.link.set_throttle(rt.spec.id, self.levels.get(key, 0))
 
     # ---- engines --------------------------------------------------------------------
     def request_restart(self, engine_id: int, reason: RestartReason) -> bool:
@@ -446,6 +495,26 @@ class Supervisor:
         rt.requested = reason
         rt.wake.set()
         return True
+
+    def drain(self, engine_id: int) -> tuple[bool, str]:
+        """Stop routing new work to an engine until resume(); in-flight work finishes."""
+        rt = self.engines[engine_id]
+        if rt.state is EngineState.DRAINING:
+            rt.held = True
+            return True, ""
+        if rt.state is not EngineState.READY:
+            return False, f"engine {engine_id} is {rt.state.value}; only a READY engine drains"
+        rt.held = True
+        rt.set_state(EngineState.DRAINING)
+        return True, ""
+
+    def resume(self, engine_id: int) -> tuple[bool, str]:
+        rt = self.engines[engine_id]
+        if rt.state is not EngineState.DRAINING or rt.requested is not None:
+            return False, f"engine {engine_id} is {rt.state.value}; only a drained engine resumes"
+        rt.held = False
+        rt.set_state(EngineState.READY)
+        return True, ""
 
     async def _engine_loop(self, rt: EngineRuntime) -> None:
         """Start, watch and restart one engine until the daemon stops."""
@@ -525,6 +594,7 @@ class Supervisor:
         reason = await self._wait_ready(rt)
         if reason is not None or self.stopping:
             return None if self.stopping else reason
+        rt.held = False
         rt.set_state(EngineState.READY)
         return await self._watch(rt)
 
@@ -611,6 +681,7 @@ class Supervisor:
             )
             if obs.health_ok and obs.probe_ok:
                 rt.health = HealthHistory(0, obs.generation_tokens)
+                rt.last_observation = obs
                 return None
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(proc.wait()), STARTUP_POLL_S)
@@ -665,6 +736,8 @@ class Supervisor:
                 )
                 if proc.returncode is not None:
                     continue  # handled at the top: it crashed, it did not hang
+                rt.last_observation = obs
+                self.link.observe_kv(rt.spec.id, obs.kv_cache_usage)
                 verdict, rt.health = assess(obs, rt.health, self.config.health.failures_to_restart)
                 if verdict is Verdict.SUSPECT:
                     log.warning(
@@ -689,12 +762,12 @@ class Supervisor:
         if rt.state is EngineState.READY:
             rt.set_state(EngineState.DRAINING)
         deadline = time.monotonic() + self.config.restart.drain_timeout_s
-        while self.inflight_view.inflight(rt.spec.id) > 0 and not self.stopping:
+        while self.link.inflight(rt.spec.id) > 0 and not self.stopping:
             if time.monotonic() > deadline:
                 log.warning(
                     "%s: %d request(s) still running after %.0f s of draining; restarting anyway",
                     rt.spec.name,
-                    self.inflight_view.inflight(rt.spec.id),
+                    self.link.inflight(rt.spec.id),
                     self.config.restart.drain_timeout_s,
                 )
                 break

@@ -1,0 +1,228 @@
+"""Admission: who gets an engine now, who waits, who is refused.
+
+Per engine the gateway keeps an in-flight budget in sequences (``engine.max_inflight``)
+and in tokens (``engine.max_inflight_tokens``; a request costs its prompt estimate plus
+``max_tokens``). The thermal governor scales both down on a hot GPU, and the KV-pressure
+breaker closes an engine whose ``vllm:kv_cache_usage_perc`` passed 0.92 until it falls
+below 0.85, so we stop feeding an engine that is about to preempt. Requests that find no
+room wait in a bounded queue, interactive before batch; under pressure batch is shed
+first. Everything here is synchronous except waiting, so a release hands the freed slot
+to the next waiter without a scheduling gap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from appliance.config import Config
+from appliance.engine import EngineSnapshot, EngineState
+from appliance.gateway.errors import GatewayError
+from appliance.policy.routing import EngineLoad, route
+from appliance.policy.thermal import HARD_LEVEL, scale_budget
+
+KV_BREAKER_OPEN = 0.92
+KV_BREAKER_CLOSE = 0.85
+AFFINITY_SESSIONS = 4096
+
+
+@dataclass(slots=True)
+class _Waiter:
+    cost: int
+    session: str | None
+    exclude: frozenset[int]
+    batch: bool
+    future: asyncio.Future[int] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future()
+    )
+    since: float = field(default_factory=time.monotonic)
+
+
+class Admission:
+    def __init__(
+        self,
+        config: Callable[[], Config],
+        engines: Callable[[], Sequence[EngineSnapshot]],
+        accepting: Callable[[], bool],
+        on_reject: Callable[[str], None] | None = None,
+    ) -> None:
+        self._config = config
+        self._engines = engines
+        self._accepting = accepting
+        self._on_reject = on_reject or (lambda reason: None)
+        self._inflight: collections.Counter[int] = collections.Counter()
+        self._tokens: collections.Counter[int] = collections.Counter()
+        self.throttle_level: dict[int, int] = {}  # engine id -> governor level
+        self.kv_tripped: dict[int, bool] = {}  # engine id -> breaker open
+        self._interactive: collections.deque[_Waiter] = collections.deque()
+        self._batch: collections.deque[_Waiter] = collections.deque()
+        self._affinity: collections.OrderedDict[str, int] = collections.OrderedDict()
+
+    # ---- views ----------------------------------------------------------------------
+    def inflight(self, engine_id: int) -> int:
+        return self._inflight[engine_id]
+
+    def inflight_tokens(self, engine_id: int) -> int:
+        return self._tokens[engine_id]
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._interactive) + len(self._batch)
+
+    def loads(self) -> list[EngineLoad]:
+        e = self._config().engine
+        out = []
+        for snap in self._engines():
+            level = self.throttle_level.get(snap.id, 0)
+            out.append(
+                EngineLoad(
+                    id=snap.id,
+                    accepting=(
+                        snap.state is EngineState.READY
+                        and level < HARD_LEVEL
+                        and not self.kv_tripped.get(snap.id, False)
+                    ),
+                    inflight=self._inflight[snap.id],
+                    outstanding_tokens=self._tokens[snap.id],
+                    max_inflight=scale_budget(e.max_inflight, level),
+                    token_budget=scale_budget(e.max_inflight_tokens, level),
+                    throttle_level=level,
+                )
+            )
+        return out
+
+    # ---- inputs from the supervisor -------------------------------------------------
+    def observe_kv(self, engine_id: int, usage: float | None) -> None:
+        """The KV-pressure breaker, with hysteresis so it does not flap."""
+        if usage is None:
+            return
+        tripped = self.kv_tripped.get(engine_id, False)
+        if not tripped and usage > KV_BREAKER_OPEN:
+            self.kv_tripped[engine_id] = True
+        elif tripped and usage < KV_BREAKER_CLOSE:
+            self.kv_tripped[engine_id] = False
+            self.kick()
+
+    # ---- acquire / release ----------------------------------------------------------
+    def _reject(self, status: int, message: str, reason: str, retry_after: float) -> GatewayError:
+        self._on_reject(reason)
+        return GatewayError(status, message, code=reason, retry_after=retry_after, reason=reason)
+
+    async def acquire(
+        self,
+        cost: int,
+        *,
+        batch: bool = False,
+        session: str | None = None,
+        exclude: frozenset[int] = frozenset(),
+    ) -> int:
+        """An engine id with a slot reserved for this request; release() it when done."""
+        if not self._accepting():
+            raise self._reject(503, "the server is shutting down", "shutting_down", 5)
+        g = self._config().gateway
+        engines = self._engines()
+        if not any(
+            s.state
+            in (EngineState.READY, EngineState.STARTING, EngineState.DRAINING, EngineState.EXITED)
+            and s.id not in exclude
+            for s in engines
+        ):
+            raise self._reject(503, "no engine is ready to take requests", "no_engine", 10)
+        if self.queue_depth == 0:
+            chosen = self._route(cost, session, exclude)
+            if chosen is not None:
+                return chosen
+        depth = self.queue_depth
+        if batch and depth >= max(1, g.max_queue // 2):
+            raise self._reject(
+                503, "the server is busy; batch requests are shed first", "shed_batch", 5
+            )
+        if depth >= g.max_queue:
+            if batch or not self._batch:
+                raise self._reject(503, "the request queue is full", "queue_full", 5)
+            shed = self._batch.pop()
+            if not shed.future.done():
+                shed.future.set_exception(
+                    self._reject(
+                        503, "the server is busy; batch requests are shed first", "shed_batch", 5
+                    )
+                )
+        waiter = _Waiter(cost, session, exclude, batch)
+        (self._batch if batch else self._interactive).append(waiter)
+        try:
+            return await asyncio.wait_for(asyncio.shield(waiter.future), g.queue_timeout_s)
+        except TimeoutError:
+            raise self._reject(
+                503,
+                f"no engine could take the request within {g.queue_timeout_s:g} s",
+                "queue_timeout",
+                5,
+            ) from None
+        except asyncio.CancelledError:
+            # The client went away while queued. If a slot was handed over at the same
+            # moment, give it back.
+            if (
+                waiter.future.done()
+                and not waiter.future.cancelled()
+                and waiter.future.exception() is None
+            ):
+                self.release(waiter.future.result(), cost)
+            raise
+        finally:
+            self._forget(waiter)
+
+    def _forget(self, waiter: _Waiter) -> None:
+        queue = self._batch if waiter.batch else self._interactive
+        with contextlib.suppress(ValueError):  # already handed a slot or shed
+            queue.remove(waiter)
+        if not waiter.future.done():
+            waiter.future.cancel()
+
+    def _route(self, cost: int, session: str | None, exclude: frozenset[int]) -> int | None:
+        loads = self.loads()
+        if exclude:
+            loads = [x for x in loads if x.id not in exclude]
+        chosen = route(loads, cost, session, self._affinity)
+        if chosen is None:
+            return None
+        self._inflight[chosen] += 1
+        self._tokens[chosen] += cost
+        if session is not None:
+            self._affinity[session] = chosen
+            self._affinity.move_to_end(session)
+            if len(self._affinity) > AFFINITY_SESSIONS:
+                self._affinity.popitem(last=False)
+        return chosen
+
+    def release(self, engine_id: int, cost: int) -> None:
+        self._inflight[engine_id] -= 1
+        self._tokens[engine_id] -= cost
+        self.kick()
+
+    def kick(self) -> None:
+        """Hand free slots to waiters, interactive first, in arrival order."""
+        for queue in (self._interactive, self._batch):
+            while queue:
+                head = queue[0]
+                if head.future.done():
+                    queue.popleft()
+                    continue
+                chosen = self._route(head.cost, head.session, head.exclude)
+                if chosen is None:
+                    break
+                queue.popleft()
+                head.future.set_result(chosen)
+            if queue:
+                return  # interactive waiters still waiting: batch must not jump them
+
+    def fail_waiters(self, reason: str, message: str) -> None:
+        """Refuse everyone waiting (shutdown)."""
+        for queue in (self._interactive, self._batch):
+            while queue:
+                w = queue.popleft()
+                if not w.future.done():
+                    w.future.set_exception(self._reject(503, message, reason, 5))

@@ -1,0 +1,186 @@
+"""`llm-appliance keys create|list|revoke`: the keys file edited directly.
+
+These work whether the daemon runs or not: every change is a locked read-modify-write
+of the keys file (see :mod:`appliance.gateway.keys`), and a running daemon puts it in
+force within 2 s. A new key is printed once, alone on the first line of stdout, so
+``KEY=$(llm-appliance keys create --name ci | head -1)`` works; everything else a
+command says goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+from appliance.config import load_config
+from appliance.gateway.keys import (
+    PRIORITIES,
+    SCOPES,
+    KeyRecord,
+    KeysFileError,
+    KeySpecError,
+    KeyStore,
+)
+
+COLUMNS = ("ID", "NAME", "SCOPES", "RPM", "TPM", "PRIORITY", "EXPIRES", "CREATED", "STATUS")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a positive integer")
+    return value
+
+
+def _store(args: argparse.Namespace) -> KeyStore:
+    config = load_config(getattr(args, "config", None))
+    return KeyStore(Path(config.gateway.keys_file))
+
+
+def _fail(message: object, code: int = 1) -> int:
+    print(f"llm-appliance: {message}", file=sys.stderr)
+    return code
+
+
+def _when(ts: float | None, never: str = "never") -> str:
+    if ts is None:
+        return never
+    return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%d %H:%MZ")
+
+
+def _status(record: KeyRecord, now: float) -> str:
+    return "expired" if record.is_expired(now) else "active"
+
+
+def cmd_create(args: argparse.Namespace) -> int:
+    store = _store(args)
+    try:
+        record, key = store.create(
+            name=args.name,
+            scopes=args.scope,
+            rpm=args.rpm,
+            tpm=args.tpm,
+            priority=args.priority,
+            expires_days=args.expires_days,
+        )
+    except KeySpecError as exc:
+        return _fail(exc, 2)
+    except KeysFileError as exc:
+        return _fail(exc)
+    sys.stdout.write(key + "\n")
+    sys.stdout.flush()
+    expires = _when(record.expires_at)
+    print(
+        f"created key {record.id} ({record.name}; scopes {','.join(sorted(record.scopes))}; "
+        f"expires {expires}) in {store.path}.\nStore it now; it is not shown again.",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    store = _store(args)
+    try:
+        store.load()
+    except KeysFileError as exc:
+        return _fail(exc)
+    now = time.time()
+    records = store.records
+    if args.json:
+        out = [{**r.public_dict(), "status": _status(r, now)} for r in records]
+        print(json.dumps(out, indent=2))
+        return 0
+    rows = [COLUMNS] + [
+        (
+            r.id,
+            r.name,
+            ",".join(sorted(r.scopes)),
+            "-" if r.rpm is None else str(r.rpm),
+            "-" if r.tpm is None else str(r.tpm),
+            r.priority,
+            _when(r.expires_at),
+            _when(r.created_at),
+            _status(r, now),
+        )
+        for r in records
+    ]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+    if not records:
+        print(f"no keys in {store.path}", file=sys.stderr)
+    return 0
+
+
+def cmd_revoke(args: argparse.Namespace) -> int:
+    store = _store(args)
+    key_id = args.id.strip().lower()
+    try:
+        removed = store.revoke(key_id)
+    except KeysFileError as exc:
+        return _fail(exc)
+    if not removed:
+        return _fail(
+            f"no key with id {args.id!r} in {store.path} (`llm-appliance keys list` shows the ids)"
+        )
+    print(f"revoked key {key_id}; a running daemon stops accepting it within 2 s")
+    return 0
+
+
+def add_parser(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser
+) -> None:
+    """Add `keys` (create, list, revoke) to the top-level subcommands."""
+    keys = sub.add_parser(
+        "keys",
+        parents=[common],
+        help="create, list or revoke API keys",
+        description="Manage API keys in the keys file (gateway.keys_file). "
+        "A running daemon picks changes up within 2 s.",
+    )
+    ksub = keys.add_subparsers(dest="keys_command", required=True, metavar="ACTION")
+
+    p = ksub.add_parser(
+        "create",
+        parents=[common],
+        help="create a key and print it once",
+        description="Create a key; it is printed once, alone on the first line of stdout.",
+    )
+    p.add_argument("--name", required=True, help="who or what the key is for (<= 64 chars)")
+    p.add_argument(
+        "--scope",
+        action="append",
+        choices=sorted(SCOPES),
+        default=None,
+        help="user (/v1), metrics (/metrics), admin (everything); repeatable; default: user",
+    )
+    p.add_argument("--rpm", type=_positive_int, metavar="N", help="requests per minute")
+    p.add_argument("--tpm", type=_positive_int, metavar="N", help="tokens per minute")
+    p.add_argument(
+        "--priority",
+        choices=PRIORITIES,
+        default="interactive",
+        help="batch is shed first under pressure (default: interactive)",
+    )
+    p.add_argument(
+        "--expires-days",
+        type=_positive_int,
+        metavar="N",
+        help="the key stops working after N days (default: never)",
+    )
+    p.set_defaults(func=cmd_create)
+
+    p = ksub.add_parser("list", parents=[common], help="one row per key (never the secret)")
+    p.add_argument("--json", action="store_true", help="a JSON list, for machines")
+    p.set_defaults(func=cmd_list)
+
+    p = ksub.add_parser("revoke", parents=[common], help="revoke a key by its id")
+    p.add_argument("id", metavar="ID", help="the key's id, as `keys list` shows it")
+    p.set_defaults(func=cmd_revoke)

@@ -1,0 +1,295 @@
+"""The OpenAI routes: validate, limit, admit, relay to an engine, account.
+
+The relay is the hot path. A streamed answer is passed on chunk by chunk as the engine's
+bytes arrive (no parsing, no re-chunking, one write per chunk); a non-streamed body is
+passed on untouched. The client's key never reaches the engine: the gateway sends the
+engine's per-boot key instead.
+
+Failure handling, by when it happens:
+
+- before the engine sent a byte (connection refused, engine 5xx, reset): the request is
+  retried once on another engine, so a crashing engine costs clients nothing;
+- after the first byte of a stream: the client gets one SSE error event and the stream
+  ends (the ``openai`` client raises ``APIError``), never a silently truncated answer;
+- the client goes away: the handler is cancelled, which closes the upstream connection,
+  which makes vLLM abort the generation.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+from aiohttp import web
+
+from appliance.gateway.errors import GatewayError, sse_error_event
+from appliance.policy.routing import session_key
+
+if TYPE_CHECKING:
+    from appliance.gateway.app import Gateway
+
+log = logging.getLogger("appliance.gateway")
+
+DEFAULT_MAX_TOKENS = 16  # vLLM's completions default when max_tokens is absent
+CHARS_PER_TOKEN = 4  # prompt estimate; exact counts need the engine's tokenizer
+HOP_HEADERS = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "transfer-encoding",
+        "content-length",
+        "content-encoding",
+        "server",
+        "date",
+    }
+)
+RETRYABLE_STATUS = frozenset({500, 502, 503, 504})
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedRequest:
+    route: str
+    model: str
+    stream: bool
+    cost: int
+    session: str | None
+
+
+def _bad(message: str, param: str | None = None) -> GatewayError:
+    return GatewayError(400, message, param=param, code="invalid_request", reason="bad_request")
+
+
+def parse_body(route: str, raw: bytes, headers: Any, max_tokens_cap: int) -> ParsedRequest:
+    """Check what the gateway needs to know; the engine validates the rest."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise _bad("the request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise _bad("the request body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise _bad("'model' is required and must be a string", "model")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise _bad("'stream' must be true or false", "stream")
+    if route == "chat":
+        msgs = body.get("messages")
+        if not isinstance(msgs, list) or not msgs:
+            raise _bad("'messages' must be a non-empty list", "messages")
+    elif route == "completions":
+        prompt = body.get("prompt")
+        if not isinstance(prompt, (str, list)) or (isinstance(prompt, list) and not prompt):
+            raise _bad("'prompt' must be a string or a non-empty list", "prompt")
+    elif route == "embeddings":
+        inp = body.get("input")
+        if not isinstance(inp, (str, list)) or (isinstance(inp, list) and not inp):
+            raise _bad("'input' must be a string or a non-empty list", "input")
+    max_tokens = 0
+    if route != "embeddings":
+        for name in ("max_tokens", "max_completion_tokens"):
+            value = body.get(name)
+            if value is None:
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise _bad(f"'{name}' must be a positive integer", name)
+            if value > max_tokens_cap:
+                # Refused, not clamped: a silently shorter answer is worse than a clear no.
+                raise _bad(
+                    f"'{name}' = {value} is above this server's limit of {max_tokens_cap}", name
+                )
+            max_tokens = max(max_tokens, value)
+        max_tokens = max_tokens or DEFAULT_MAX_TOKENS
+    user = body.get("user")
+    session = session_key(user if isinstance(user, str) else None, headers.get("X-Session-Id"))
+    cost = len(raw) // CHARS_PER_TOKEN + max_tokens
+    return ParsedRequest(route, model, stream, cost, session)
+
+
+class Relay:
+    """The /v1 handlers, bound to one Gateway."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gw = gateway
+
+    async def models(self, request: web.Request) -> web.Response:
+        created = int(self.gw.supervisor.started_at)
+        names = self.gw.model_names()
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [
+                    {"id": n, "object": "model", "created": created, "owned_by": "llm-appliance"}
+                    for n in names
+                ],
+            }
+        )
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, "chat", "/v1/chat/completions")
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, "completions", "/v1/completions")
+
+    async def embeddings(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, "embeddings", "/v1/embeddings")
+
+    async def _handle(self, request: web.Request, route: str, path: str) -> web.StreamResponse:
+        gw = self.gw
+        started = time.monotonic()
+        record = request["key"]
+        cfg = gw.supervisor.config.gateway
+        raw = await request.read()
+        parsed = parse_body(route, raw, request.headers, cfg.max_tokens_cap)
+        if parsed.model not in gw.model_names():
+            raise GatewayError(
+                404,
+                f"The model '{parsed.model}' does not exist; GET /v1/models "
+                "lists the served models",
+                param="model",
+                code="model_not_found",
+                reason="model_not_found",
+            )
+        limited = gw.ratelimiter.check(record.id, record.rpm, record.tpm, parsed.cost)
+        if limited is not None:
+            which, wait = limited
+            gw.metrics.rate_limited.labels(record.id, which).inc()
+            gw.metrics.rejections.labels(f"rate_limit_{which}").inc()
+            raise GatewayError(
+                429,
+                f"rate limit reached for this key ({which}); retry in {wait:.1f} s",
+                code=f"rate_limit_{which}",
+                retry_after=wait,
+                reason=f"rate_limit_{which}",
+            )
+        batch = record.priority == "batch"
+        tried: frozenset[int] = frozenset()
+        for attempt in (1, 2):
+            queued = time.monotonic()
+            engine_id = await gw.admission.acquire(
+                parsed.cost, batch=batch, session=parsed.session, exclude=tried
+            )
+            gw.metrics.queue_wait.observe(time.monotonic() - queued)
+            try:
+                result = await self._relay(request, engine_id, path, raw, parsed, started)
+            finally:
+                gw.admission.release(engine_id, parsed.cost)
+            if isinstance(result, web.StreamResponse):
+                return result
+            # Failed before the first byte: try once more elsewhere.
+            tried = tried | {engine_id}
+            if attempt == 1 and gw.has_other_engine(tried):
+                gw.metrics.failovers.inc()
+                log.warning(
+                    "engine%d failed before answering (%s); retrying on another engine",
+                    engine_id,
+                    result,
+                )
+                continue
+            raise GatewayError(
+                502 if "timeout" not in result else 504,
+                f"the engine failed before answering ({result})",
+                code="engine_error",
+                reason="engine_error",
+            )
+        raise AssertionError("unreachable")
+
+    async def _relay(
+        self,
+        request: web.Request,
+        engine_id: int,
+        path: str,
+        raw: bytes,
+        parsed: ParsedRequest,
+        started: float,
+    ) -> web.StreamResponse | str:
+        """The response sent, or why the engine failed before its first byte."""
+        gw = self.gw
+        snap = gw.supervisor.engines[engine_id].snapshot()
+        headers = {"Authorization": f"Bearer {snap.api_key}", "Content-Type": "application/json"}
+        try:
+            upstream = await gw.session.post(
+                snap.base_url + path,
+                data=raw,
+                headers=headers,
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
+            )
+        except (aiohttp.ClientError, OSError) as exc:
+            return f"{type(exc).__name__}"
+        try:
+            if upstream.status in RETRYABLE_STATUS:
+                return f"engine answered {upstream.status}"
+            if not parsed.stream or upstream.status != 200:
+                body = await upstream.read()
+                resp = web.Response(
+                    status=upstream.status,
+                    body=body,
+                    content_type=upstream.content_type or "application/json",
+                )
+                gw.metrics.ttft.labels(parsed.route).observe(time.monotonic() - started)
+                return resp
+            return await self._stream(request, upstream, parsed, started)
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            return f"{type(exc).__name__}"
+        finally:
+            if upstream.content.at_eof():
+                upstream.release()  # keep the connection for the next request
+            else:
+                upstream.close()  # closing mid-answer is what makes vLLM abort it
+
+    async def _stream(
+        self,
+        request: web.Request,
+        upstream: aiohttp.ClientResponse,
+        parsed: ParsedRequest,
+        started: float,
+    ) -> web.StreamResponse:
+        resp = web.StreamResponse(
+            status=200,
+            headers={
+                "Content-Type": upstream.headers.get("Content-Type", "text/event-stream"),
+                "Cache-Control": "no-cache",
+                "X-Accel-Buffering": "no",
+            },
+        )
+        first = True
+        content = upstream.content
+        try:
+            async for chunk in content.iter_any():
+                if first:
+                    # Headers go out with the first chunk: until then a failure can still
+                    # be retried elsewhere without the client knowing.
+                    await resp.prepare(request)
+                    self.gw.metrics.ttft.labels(parsed.route).observe(time.monotonic() - started)
+                    first = False
+                try:
+                    await resp.write(chunk)
+                except ConnectionError:
+                    # The client went away: not an engine failure, nothing to retry.
+                    # Returning closes the upstream mid-answer, so vLLM aborts it.
+                    request["status"] = 499
+                    return resp
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            if first:
+                raise
+            log.warning(
+                "engine stream broke after the first byte (%s); ending the client's "
+                "stream with an error event",
+                type(exc).__name__,
+            )
+            request["status"] = 502
+            await resp.write(
+                sse_error_event(
+                    502,
+                    "the engine failed while generating; the answer is incomplete",
+                    "engine_error",
+                )
+            )
+        if first:
+            await resp.prepare(request)  # an empty stream: still a valid (empty) answer
+        await resp.write_eof()
+        return resp

@@ -1,0 +1,61 @@
+"""Policies: pure functions of a snapshot, so every decision is a row in a table test.
+
+- `routing.route(engine_loads, cost) -> engine id | None`: which engine takes a request.
+- `thermal.govern(temperature, reasons, previous_level, policy) -> level`: how much a
+  GPU may be given.
+- `degradation.assess(samples, baseline, policy, now) -> Verdict`: whether an engine
+  should be drained and restarted.
+
+None of them does I/O or reads a clock; time is always passed in. The supervisor and
+the gateway own the state (previous levels, sample windows, baselines, affinity maps)
+and feed it back in.
+"""
+
+from __future__ import annotations
+
+from appliance.policy.degradation import (
+    EMPTY_BASELINE,
+    HEALTHY,
+    Baseline,
+    DegradationPolicy,
+    EngineSample,
+    Reason,
+    Verdict,
+    assess,
+    learn_baseline,
+)
+from appliance.policy.routing import EngineLoad, has_room, route, session_key
+from appliance.policy.thermal import (
+    HARD_LEVEL,
+    SLOWDOWN_REASONS,
+    ThermalPolicy,
+    admission_fraction,
+    entry_c,
+    govern,
+    scale_budget,
+    sustained_heat,
+)
+
+__all__ = [
+    "EMPTY_BASELINE",
+    "HARD_LEVEL",
+    "HEALTHY",
+    "SLOWDOWN_REASONS",
+    "Baseline",
+    "DegradationPolicy",
+    "EngineLoad",
+    "EngineSample",
+    "Reason",
+    "ThermalPolicy",
+    "Verdict",
+    "admission_fraction",
+    "assess",
+    "entry_c",
+    "govern",
+    "has_room",
+    "learn_baseline",
+    "route",
+    "scale_budget",
+    "session_key",
+    "sustained_heat",
+]

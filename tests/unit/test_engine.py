@@ -1,0 +1,295 @@
+"""The engine lifecycle table, the engine command line, environment and helpers."""
+
+from __future__ import annotations
+
+import itertools
+import re
+import urllib.parse
+
+import pytest
+
+from appliance.config import Config, parse_config
+from appliance.engine import (
+    ALLOWED_TRANSITIONS,
+    EngineState,
+    build_argv,
+    build_env,
+    check_transition,
+    cpu_core_split,
+    new_api_key,
+    served_name,
+)
+from appliance.errors import IllegalTransition
+
+S = EngineState
+
+# The lifecycle as documented (engine.py's diagram and the contract), written out here
+# independently of the module's table.
+EXPECTED_MOVES = {
+    (S.STARTING, S.READY),  # answered a real completion
+    (S.STARTING, S.STOPPING),  # startup timeout or shutdown
+    (S.STARTING, S.EXITED),  # died while loading
+    (S.READY, S.DRAINING),  # restart or admin drain
+    (S.READY, S.STOPPING),  # hung, or fast shutdown
+    (S.READY, S.EXITED),  # crashed
+    (S.DRAINING, S.READY),  # admin resume
+    (S.DRAINING, S.STOPPING),  # drained
+    (S.DRAINING, S.EXITED),  # crashed while draining
+    (S.STOPPING, S.EXITED),  # its process tree is gone
+    (S.EXITED, S.STARTING),  # restarted after backoff
+    (S.EXITED, S.FAILED),  # restart budget spent
+    (S.FAILED, S.STARTING),  # admin restart
+}
+ALL_PAIRS = list(itertools.product(EngineState, repeat=2))
+
+
+def test_lifecycle_has_the_contract_states() -> None:
+    names = {s.value for s in EngineState}
+    assert {"STARTING", "READY", "DRAINING", "STOPPING", "EXITED", "FAILED"} <= names
+    assert all(s.name == s.value for s in EngineState)  # /admin/status shows capitals
+
+
+def test_allowed_table_is_the_documented_lifecycle() -> None:
+    table = {(a, b) for a, targets in ALLOWED_TRANSITIONS.items() for b in targets}
+    assert table == EXPECTED_MOVES
+    assert set(ALLOWED_TRANSITIONS) == set(EngineState)
+
+
+@pytest.mark.parametrize(
+    ("old", "new"), ALL_PAIRS, ids=[f"{a.value}->{b.value}" for a, b in ALL_PAIRS]
+)
+def test_transition_matrix(old: EngineState, new: EngineState) -> None:
+    if (old, new) in EXPECTED_MOVES:
+        check_transition(old, new)
+    else:
+        with pytest.raises(IllegalTransition, match=f"{old.value} -> {new.value}"):
+            check_transition(old, new)
+
+
+def test_only_ready_accepts_work() -> None:
+    assert [s for s in EngineState if s.accepts_work] == [S.READY]
+
+
+# ---------------------------------------------------------------------------------------
+# build_argv
+# ---------------------------------------------------------------------------------------
+
+PY = "/opt/engine-venv/bin/python"
+MODEL = "/var/lib/llm-appliance/models/SmolLM2-135M-Instruct"
+KEY = "eng-secretkey"
+
+
+def argv_for(cfg: Config, *, gpu: int | None, port: int = 8100) -> tuple[str, ...]:
+    return build_argv(
+        cfg,
+        python=PY,
+        model=MODEL,
+        port=port,
+        gpu=gpu,
+        api_key=KEY,
+        served_model_name="smol",
+        on_gpu=gpu is not None,
+    )
+
+
+def option(argv: tuple[str, ...], name: str) -> str:
+    assert argv.count(name) == 1, (name, argv)
+    return argv[argv.index(name) + 1]
+
+
+@pytest.mark.parametrize("gpu", [0, None], ids=["gpu", "cpu"])
+def test_argv_common_part(gpu: int | None) -> None:
+    cfg = parse_config({"engine": {"max_model_len": 2048, "max_num_batched_tokens": 4096}})
+    argv = argv_for(cfg, gpu=gpu, port=8123)
+    assert argv[:3] == (PY, "-m", "vllm.entrypoints.openai.api_server")
+    assert option(argv, "--model") == MODEL
+    assert option(argv, "--served-model-name") == "smol"
+    assert option(argv, "--host") == "127.0.0.1"
+    assert option(argv, "--port") == "8123"
+    assert option(argv, "--api-key") == KEY
+    assert option(argv, "--max-model-len") == "2048"
+    assert option(argv, "--max-num-batched-tokens") == "4096"
+    assert all(isinstance(a, str) for a in argv)
+
+
+@pytest.mark.parametrize(("util", "shown"), [(0.9, "0.9"), (0.5, "0.5"), (1, "1")])
+def test_argv_on_gpu(util: float, shown: str) -> None:
+    argv = argv_for(parse_config({"engine": {"gpu_memory_utilization": util}}), gpu=1)
+    assert option(argv, "--gpu-memory-utilization") == shown
+    assert "--enforce-eager" not in argv
+    assert "--dtype" not in argv
+
+
+def test_argv_on_cpu() -> None:
+    argv = argv_for(Config(), gpu=None)
+    assert option(argv, "--dtype") == "bfloat16"
+    assert "--enforce-eager" in argv
+    assert "--gpu-memory-utilization" not in argv
+
+
+@pytest.mark.parametrize("gpu", [0, None], ids=["gpu", "cpu"])
+def test_extra_args_come_last(gpu: int | None) -> None:
+    extra = ["--seed", "7", "--enable-prefix-caching"]
+    argv = argv_for(parse_config({"engine": {"extra_args": extra}}), gpu=gpu)
+    assert argv[-3:] == tuple(extra)
+    assert argv[:-3] == argv_for(Config(), gpu=gpu)
+
+
+@pytest.mark.parametrize(("gpu", "gpu_text"), [(3, "3"), (None, "")], ids=["gpu", "cpu"])
+def test_command_override_substitutes_every_placeholder(gpu: int | None, gpu_text: str) -> None:
+    command = [
+        "{python}",
+        "serve.py",
+        "--model={model}",
+        "--port",
+        "{port}",
+        "--gpu={gpu}",
+        "--api-key",
+        "{api_key}",
+        "--name",
+        "{served_model_name}",
+        "literal",
+    ]
+    cfg = parse_config({"engine": {"command": command, "extra_args": ["--ignored"]}})
+    argv = argv_for(cfg, gpu=gpu, port=8105)
+    assert argv == (
+        PY,
+        "serve.py",
+        f"--model={MODEL}",
+        "--port",
+        "8105",
+        f"--gpu={gpu_text}",
+        "--api-key",
+        KEY,
+        "--name",
+        "smol",
+        "literal",
+    )
+    assert not any("{" in a or "}" in a for a in argv)
+
+
+# ---------------------------------------------------------------------------------------
+# build_env
+# ---------------------------------------------------------------------------------------
+
+BASE = {"PATH": "/usr/bin", "HOME": "/var/lib/llm-appliance", "LANG": "C.UTF-8"}
+
+
+def env_for(cfg: Config, *, gpu: int | None, cpu_bind: str | None = None) -> dict[str, str]:
+    return build_env(cfg, BASE, gpu=gpu, cpu_bind=cpu_bind, engine_tag="boot1-0")
+
+
+@pytest.mark.parametrize("gpu", [0, 1, 7])
+def test_env_on_gpu_pins_one_gpu(gpu: int) -> None:
+    env = env_for(Config(), gpu=gpu)
+    assert env["CUDA_VISIBLE_DEVICES"] == str(gpu)
+    assert env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in env
+    assert "VLLM_CPU_KVCACHE_SPACE" not in env
+
+
+@pytest.mark.parametrize(
+    ("gib", "shown", "bind"),
+    [(1.0, "1", "0-3"), (2.5, "2.5", "4-7"), (4, "4", None)],
+)
+def test_env_on_cpu_hides_gpus_and_binds_cores(gib: float, shown: str, bind: str | None) -> None:
+    env = env_for(parse_config({"engine": {"cpu_kvcache_space_gib": gib}}), gpu=None, cpu_bind=bind)
+    assert env["CUDA_VISIBLE_DEVICES"] == ""
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == shown
+    if bind is None:
+        assert "VLLM_CPU_OMP_THREADS_BIND" not in env
+    else:
+        assert env["VLLM_CPU_OMP_THREADS_BIND"] == bind
+
+
+@pytest.mark.parametrize("gpu", [0, None], ids=["gpu", "cpu"])
+def test_env_is_offline_tagged_and_keeps_the_base(gpu: int | None) -> None:
+    base_before = dict(BASE)
+    env = env_for(Config(), gpu=gpu, cpu_bind="0")
+    assert env["HF_HUB_OFFLINE"] == "1"
+    assert env["LLM_APPLIANCE_ENGINE"] == "boot1-0"
+    assert env["PYTHONUNBUFFERED"] == "1"
+    for key, value in BASE.items():
+        assert env[key] == value
+    assert base_before == BASE  # the base is not modified
+
+
+def test_config_env_is_applied_last() -> None:
+    cfg = parse_config(
+        {"engine": {"env": {"HF_HUB_OFFLINE": "0", "OMP_NUM_THREADS": "2", "PATH": "/x"}}}
+    )
+    env = env_for(cfg, gpu=None, cpu_bind="0-1")
+    assert env["HF_HUB_OFFLINE"] == "0"
+    assert env["OMP_NUM_THREADS"] == "2"
+    assert env["PATH"] == "/x"
+
+
+# ---------------------------------------------------------------------------------------
+# new_api_key, cpu_core_split, served_name
+# ---------------------------------------------------------------------------------------
+
+
+def test_new_api_key_is_url_safe_never_dash_first_and_fresh() -> None:
+    keys = [new_api_key() for _ in range(200)]
+    assert len(set(keys)) == len(keys)
+    for key in keys:
+        assert re.fullmatch(r"[A-Za-z0-9_-]{32,}", key), key
+        assert not key.startswith("-")
+        assert urllib.parse.quote(key, safe="") == key
+
+
+@pytest.mark.parametrize(
+    ("cores", "engines", "expect"),
+    [
+        ([0, 1], 1, ["0-1"]),
+        ([0, 1], 2, ["0", "1"]),
+        (list(range(16)), 3, ["0-5", "6-10", "11-15"]),
+        (list(range(16)), 2, ["0-7", "8-15"]),
+        (list(range(8)), 8, [str(i) for i in range(8)]),
+        ([0], 4, ["0", "0", "0", "0"]),
+        ([0, 1, 2], 4, ["0", "1", "2", "0"]),
+        ([0, 2, 3, 5], 2, ["0,2", "3,5"]),
+        ([4, 5, 6, 7, 12, 13], 2, ["4-6", "7,12-13"]),
+        ([3, 1, 2, 0], 2, ["0-1", "2-3"]),
+        ([0, 1, 2, 3, 8, 9, 10, 11], 1, ["0-3,8-11"]),
+    ],
+)
+def test_cpu_core_split(cores: list[int], engines: int, expect: list[str]) -> None:
+    assert cpu_core_split(cores, engines) == expect
+
+
+def _expand(spec: str) -> list[int]:
+    out: list[int] = []
+    for part in spec.split(","):
+        lo, _, hi = part.partition("-")
+        out += range(int(lo), int(hi or lo) + 1)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("n_cores", "engines"), [(n, e) for n in (1, 2, 3, 7, 16, 64) for e in range(1, 9) if e <= n]
+)
+def test_cpu_core_split_uses_every_core_once(n_cores: int, engines: int) -> None:
+    cores = [c * 2 for c in range(n_cores)]  # every other core: non-contiguous affinity
+    parts = cpu_core_split(cores, engines)
+    assert len(parts) == engines
+    used = [c for p in parts for c in _expand(p)]
+    assert sorted(used) == cores
+    sizes = [len(_expand(p)) for p in parts]
+    assert max(sizes) - min(sizes) <= 1
+
+
+@pytest.mark.parametrize(
+    ("configured", "model", "expect"),
+    [
+        ("chat", "/models/Qwen2.5-7B-Instruct", "chat"),
+        ("", "/models/Qwen2.5-7B-Instruct", "qwen2.5-7b-instruct"),
+        ("", "/models/Qwen2.5-7B-Instruct/", "qwen2.5-7b-instruct"),
+        ("", "HuggingFaceTB/SmolLM2-135M-Instruct", "smollm2-135m-instruct"),
+        ("", "gpt2", "gpt2"),
+        ("", "/", "model"),
+    ],
+)
+def test_served_name(configured: str, model: str, expect: str) -> None:
+    cfg = parse_config({"engine": {"served_model_name": configured}})
+    assert served_name(cfg, model) == expect

@@ -1,0 +1,636 @@
+"""KeyStore, KeyRecord, KeyWatcher and ensure_admin_key against real files in tmp_path."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import json
+import logging
+import os
+import stat
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from appliance.gateway import keys as keys_mod
+from appliance.gateway.keys import (
+    KeyRecord,
+    KeysFileError,
+    KeySpecError,
+    KeyStore,
+    KeyWatcher,
+    atomic_write,
+    ensure_admin_key,
+    hash_key,
+    parse_key_id,
+    required_scope,
+)
+
+LOGGER = "appliance.gateway.keys"
+
+
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(os.stat(path).st_mode)
+
+
+@pytest.fixture
+def keys_path(tmp_path: Path) -> Path:
+    return tmp_path / "state" / "keys.json"
+
+
+@pytest.fixture
+def store(keys_path: Path) -> KeyStore:
+    return KeyStore(keys_path)
+
+
+def _write_doc(path: Path, doc: Any) -> None:
+    atomic_write(path, json.dumps(doc).encode())
+
+
+# --- key format ------------------------------------------------------------------------
+
+
+def test_created_key_has_the_documented_format(store: KeyStore) -> None:
+    record, key = store.create(name="alice")
+    assert key.startswith("sk-la-")
+    prefix, la, key_id, secret = key.split("-", 3)
+    assert (prefix, la) == ("sk", "la")
+    assert key_id == record.id and len(key_id) == 8 and int(key_id, 16) >= 0
+    assert key_id == key_id.lower()
+    assert len(secret) >= 43  # token_urlsafe(32)
+    assert record.key_hash == hashlib.sha256(key.encode()).hexdigest()
+    assert parse_key_id(key) == record.id
+
+
+@pytest.mark.parametrize(
+    "presented",
+    [
+        "",
+        "Bearer x",
+        "sk-la-",
+        "sk-la-1234567-" + "a" * 43,  # 7 hex chars
+        "sk-la-ABCDEF12-" + "a" * 43,  # upper case id
+        "sk-la-1234567g-" + "a" * 43,
+        "sk-la-12345678-short",
+        "sk-la-12345678-" + "a" * 43 + " ",
+        "sk-la-12345678-" + "a" * 43 + "\n",
+        "sk-la-12345678-" + "é" * 43,
+        "sk-la-12345678-" + "a" * 5000,
+        "sk-xx-12345678-" + "a" * 43,
+    ],
+)
+def test_malformed_keys_are_rejected(store: KeyStore, presented: str) -> None:
+    store.create(name="alice")
+    assert parse_key_id(presented) is None
+    assert store.lookup(presented) == (None, "malformed")
+    assert store.authenticate(presented) is None
+
+
+# --- authentication --------------------------------------------------------------------
+
+
+def test_authenticate_ok_unknown_revoked_expired(store: KeyStore) -> None:
+    record, key = store.create(name="alice", scopes=["user"], rpm=60, tpm=1000)
+    assert store.authenticate(key) == record
+    assert store.lookup(key) == (record, "ok")
+
+    # Same id, wrong secret.
+    wrong = key[:-4] + ("AAAA" if not key.endswith("AAAA") else "BBBB")
+    assert store.lookup(wrong) == (None, "unknown")
+    # Well-formed, unknown id.
+    other = "sk-la-00000000-" + key.split("-", 3)[3]
+    assert store.lookup(other) == (None, "unknown")
+
+    assert store.revoke(record.id) is True
+    assert store.lookup(key) == (None, "unknown")
+    assert store.revoke(record.id) is False
+
+    rec2, key2 = store.create(name="temp", expires_days=1)
+    assert rec2.expires_at is not None
+    assert store.lookup(key2, now=rec2.expires_at - 1) == (rec2, "ok")
+    assert store.lookup(key2, now=rec2.expires_at + 1) == (None, "expired")
+    assert store.authenticate(key2, now=rec2.expires_at + 1) is None
+
+
+def test_wrong_secret_of_an_expired_key_is_unknown_not_expired(store: KeyStore) -> None:
+    rec, _ = store.create(name="temp", expires_days=1)
+    assert rec.expires_at is not None
+    wrong = f"sk-la-{rec.id}-" + "x" * 43
+    assert store.lookup(wrong, now=rec.expires_at + 1) == (None, "unknown")
+
+
+def test_hashes_are_compared_in_constant_time(
+    store: KeyStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    record, key = store.create(name="alice")
+    calls: list[tuple[str, str]] = []
+    real = hmac.compare_digest
+
+    def recording(a: Any, b: Any) -> bool:
+        calls.append((a, b))
+        return real(a, b)
+
+    monkeypatch.setattr(hmac, "compare_digest", recording)
+    assert store.authenticate(key) == record
+    assert calls == [(hash_key(key), record.key_hash)]
+    calls.clear()
+    assert store.authenticate(f"sk-la-{record.id}-" + "y" * 43) is None
+    assert len(calls) == 1
+    calls.clear()
+    assert store.authenticate("sk-la-ffffffff-" + "y" * 43) is None
+    assert len(calls) == 1  # an unknown id does the same work
+
+
+def test_a_second_store_sees_keys_created_by_the_first(keys_path: Path) -> None:
+    record, key = KeyStore(keys_path).create(name="alice")
+    other = KeyStore(keys_path)
+    other.load()
+    assert other.authenticate(key) == record
+
+
+# --- records ---------------------------------------------------------------------------
+
+
+def test_record_scopes_and_public_dict(store: KeyStore) -> None:
+    user, _ = store.create(name="u")
+    metrics, _ = store.create(name="m", scopes=["metrics"])
+    admin, _ = store.create(name="a", scopes=["admin"])
+    both, _ = store.create(name="b", scopes=["user", "metrics"], priority="batch")
+    assert user.scopes == frozenset({"user"}) and user.priority == "interactive"
+    assert user.allows("user") and not user.allows("metrics") and not user.allows("admin")
+    assert metrics.allows("metrics") and not metrics.allows("user")
+    assert all(admin.allows(s) for s in ("user", "metrics", "admin"))
+    assert both.allows("user") and both.allows("metrics") and not both.allows("admin")
+    assert both.priority == "batch"
+    public = both.public_dict()
+    assert "key_hash" not in public and both.key_hash not in json.dumps(public)
+    assert public["scopes"] == ["metrics", "user"]
+    assert set(public) == {
+        "id",
+        "name",
+        "scopes",
+        "rpm",
+        "tpm",
+        "priority",
+        "created_at",
+        "expires_at",
+    }
+    assert both.key_hash not in repr(both)
+
+
+def test_is_expired() -> None:
+    rec = KeyRecord(
+        id="0123abcd",
+        name="x",
+        scopes=frozenset({"user"}),
+        rpm=None,
+        tpm=None,
+        priority="interactive",
+        created_at=100.0,
+        expires_at=200.0,
+        key_hash="0" * 64,
+    )
+    assert not rec.is_expired(199.9)
+    assert rec.is_expired(200.0)
+    never = KeyRecord(
+        id="0123abcd",
+        name="x",
+        scopes=frozenset({"user"}),
+        rpm=None,
+        tpm=None,
+        priority="interactive",
+        created_at=100.0,
+        expires_at=None,
+        key_hash="0" * 64,
+    )
+    assert not never.is_expired(1e12)
+    assert not never.is_expired()
+
+
+@pytest.mark.parametrize(
+    ("path", "scope"),
+    [
+        ("/v1/chat/completions", "user"),
+        ("/v1/models", "user"),
+        ("/metrics", "metrics"),
+        ("/admin/status", "admin"),
+        ("/admin/keys", "admin"),
+        ("/healthz", None),
+        ("/readyz", None),
+        ("/v10", None),
+    ],
+)
+def test_required_scope(path: str, scope: str | None) -> None:
+    assert required_scope(path) == scope
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"name": ""}, "name"),
+        ({"name": "   "}, "name"),
+        ({"name": "x" * 65}, "name"),
+        ({"name": "a\nb"}, "name"),
+        ({"name": "x", "scopes": ["root"]}, "scopes"),
+        ({"name": "x", "scopes": []}, "scopes"),
+        ({"name": "x", "rpm": 0}, "rpm"),
+        ({"name": "x", "rpm": -5}, "rpm"),
+        ({"name": "x", "rpm": 1.5}, "rpm"),
+        ({"name": "x", "rpm": True}, "rpm"),
+        ({"name": "x", "tpm": "100"}, "tpm"),
+        ({"name": "x", "priority": "urgent"}, "priority"),
+        ({"name": "x", "expires_days": 0}, "expires_days"),
+        ({"name": "x", "expires_days": -1}, "expires_days"),
+        ({"name": "x", "expires_days": float("inf")}, "expires_days"),
+    ],
+)
+def test_create_validates_its_arguments(
+    store: KeyStore, keys_path: Path, kwargs: dict[str, Any], field: str
+) -> None:
+    with pytest.raises(KeySpecError) as info:
+        store.create(**kwargs)
+    assert info.value.field == field
+    assert str(info.value).startswith(field + ":")
+    assert not keys_path.exists()
+
+
+def test_create_accepts_the_edges(store: KeyStore) -> None:
+    rec, _ = store.create(
+        name="x" * 64,
+        scopes=["user", "admin", "metrics"],
+        rpm=1,
+        tpm=1,
+        priority="batch",
+        expires_days=0.5,
+    )
+    assert rec.name == "x" * 64 and rec.rpm == 1 and rec.tpm == 1
+    assert rec.expires_at is not None
+    assert rec.expires_at - rec.created_at == pytest.approx(43200, abs=0.01)
+
+
+# --- the file --------------------------------------------------------------------------
+
+
+def test_file_and_directory_modes_and_no_secret_on_disk(store: KeyStore, keys_path: Path) -> None:
+    old = os.umask(0o022)
+    try:
+        _, key1 = store.create(name="alice")
+        _, key2 = store.create(name="bob", scopes=["admin"])
+    finally:
+        os.umask(old)
+    assert _mode(keys_path) == 0o600
+    assert _mode(keys_path.parent) == 0o700
+    raw = keys_path.read_text()
+    for key in (key1, key2):
+        assert key not in raw
+        assert key.split("-", 3)[3] not in raw
+    doc = json.loads(raw)
+    assert doc["version"] == 1
+    assert [k["name"] for k in doc["keys"]] == ["alice", "bob"]
+    assert set(doc["keys"][0]) == {
+        "id",
+        "name",
+        "scopes",
+        "rpm",
+        "tpm",
+        "priority",
+        "created_at",
+        "expires_at",
+        "key_hash",
+    }
+
+
+def test_existing_directory_mode_is_left_alone(tmp_path: Path) -> None:
+    os.chmod(tmp_path, 0o755)
+    KeyStore(tmp_path / "keys.json").create(name="a")
+    assert _mode(tmp_path) == 0o755
+    assert _mode(tmp_path / "keys.json") == 0o600
+
+
+def test_save_fixes_a_loose_mode(
+    store: KeyStore, keys_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    store.create(name="a")
+    os.chmod(keys_path, 0o644)
+    with caplog.at_level(logging.WARNING, LOGGER):
+        store.create(name="b")
+    assert "0644" in caplog.text
+    assert _mode(keys_path) == 0o600
+
+
+def test_atomic_write_leaves_no_temp_files(store: KeyStore, keys_path: Path) -> None:
+    for i in range(5):
+        store.create(name=f"k{i}")
+    store.revoke(store.records[0].id)
+    names = sorted(p.name for p in keys_path.parent.iterdir())
+    assert names == ["keys.json", "keys.json.lock"]
+
+
+def test_a_failed_write_leaves_the_old_file_and_no_temp(
+    store: KeyStore, keys_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store.create(name="a")
+    before = keys_path.read_bytes()
+
+    def boom(src: Any, dst: Any) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("appliance.gateway.keys.os.replace", boom)
+    with pytest.raises(KeysFileError, match="No space left"):
+        store.create(name="b")
+    assert keys_path.read_bytes() == before
+    assert sorted(p.name for p in keys_path.parent.iterdir()) == ["keys.json", "keys.json.lock"]
+
+
+def test_temp_file_is_created_0600_exclusively(
+    store: KeyStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: list[tuple[str, int, int]] = []
+    real_open = os.open
+
+    def spy(path: Any, flags: int, mode: int = 0o777, **kw: Any) -> int:
+        seen.append((str(path), flags, mode))
+        return real_open(path, flags, mode, **kw)
+
+    monkeypatch.setattr("appliance.gateway.keys.os.open", spy)
+    store.create(name="a")
+    temps = [(f, m) for p, f, m in seen if p.endswith(".tmp")]
+    assert temps
+    for flags, mode in temps:
+        assert flags & os.O_EXCL and flags & os.O_CREAT
+        assert mode == 0o600
+
+
+def test_missing_file_means_no_keys(store: KeyStore) -> None:
+    store.load()
+    assert store.records == ()
+    assert store.signature is None
+
+
+@pytest.mark.parametrize(
+    ("content", "problem"),
+    [
+        (b"{not json", "not valid JSON"),
+        (b"\xff\xfe", "not UTF-8"),
+        (b"[]", "must be an object"),
+        (b'{"version": 2, "keys": []}', "version"),
+        (b'{"version": 1, "keys": {}}', "keys"),
+        (b'{"version": 1, "keys": [1]}', "keys[0]"),
+        (b'{"version": 1, "keys": [{"id": "abc"}]}', "keys[0]"),
+    ],
+)
+def test_corrupt_file_raises_keys_file_error(
+    store: KeyStore, keys_path: Path, content: bytes, problem: str
+) -> None:
+    keys_path.parent.mkdir(parents=True)
+    keys_path.write_bytes(content)
+    with pytest.raises(KeysFileError) as info:
+        store.load()
+    assert str(keys_path) in str(info.value)
+    assert problem in str(info.value)
+
+
+def test_wrong_field_values_are_named(store: KeyStore, keys_path: Path) -> None:
+    rec, _ = store.create(name="a")
+    good = rec.stored_dict()
+    for field, value in [
+        ("scopes", ["root"]),
+        ("rpm", 0),
+        ("priority", "x"),
+        ("key_hash", "abc"),
+        ("created_at", "yesterday"),
+        ("id", "XYZ"),
+    ]:
+        _write_doc(keys_path, {"version": 1, "keys": [{**good, field: value}]})
+        with pytest.raises(KeysFileError, match=rf"keys\[0\]\.{field}"):
+            KeyStore(keys_path).load()
+    _write_doc(keys_path, {"version": 1, "keys": [good, good]})
+    with pytest.raises(KeysFileError, match="duplicate"):
+        KeyStore(keys_path).load()
+
+
+def test_a_failed_load_keeps_the_keys_in_force(store: KeyStore, keys_path: Path) -> None:
+    rec, key = store.create(name="a")
+    keys_path.write_text("garbage")
+    with pytest.raises(KeysFileError):
+        store.load()
+    assert store.authenticate(key) == rec
+
+
+def test_create_refuses_to_overwrite_a_corrupt_file(store: KeyStore, keys_path: Path) -> None:
+    store.create(name="a")
+    keys_path.write_text("{broken")
+    with pytest.raises(KeysFileError, match="not valid JSON"):
+        store.create(name="b")
+    assert keys_path.read_text() == "{broken"
+
+
+def test_unreadable_file_is_a_keys_file_error(tmp_path: Path) -> None:
+    (tmp_path / "keys.json").mkdir()  # a directory where the file should be
+    with pytest.raises(KeysFileError, match="cannot be read"):
+        KeyStore(tmp_path / "keys.json").load()
+
+
+def test_unwritable_location_is_a_keys_file_error(tmp_path: Path) -> None:
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    with pytest.raises(KeysFileError) as info:
+        KeyStore(blocker / "keys.json").create(name="a")
+    assert str(blocker) in str(info.value)
+
+
+def test_concurrent_creates_lose_nothing(keys_path: Path) -> None:
+    errors: list[BaseException] = []
+
+    def worker(n: int) -> None:
+        try:
+            for i in range(5):
+                KeyStore(keys_path).create(name=f"w{n}-{i}")
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    final = KeyStore(keys_path)
+    final.load()
+    assert len(final.records) == 20
+
+
+def test_create_sees_changes_made_by_another_writer(keys_path: Path) -> None:
+    daemon = KeyStore(keys_path)
+    daemon.create(name="a")
+    cli = KeyStore(keys_path)
+    cli.create(name="b")
+    daemon.create(name="c")  # re-reads under the lock; b survives
+    assert [r.name for r in daemon.records] == ["a", "b", "c"]
+
+
+# --- ensure_admin_key ------------------------------------------------------------------
+
+
+def test_ensure_admin_key_on_first_start(
+    store: KeyStore, keys_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.DEBUG):
+        path = ensure_admin_key(store, logging.getLogger("appliance.test"))
+    assert path == keys_path.parent / "admin.key"
+    assert _mode(path) == 0o600 and _mode(keys_path) == 0o600
+    content = path.read_text()
+    assert content.endswith("\n") and content.count("\n") == 1
+    key = content.strip()
+    record = store.authenticate(key)
+    assert record is not None and record.name == "admin" and record.scopes == {"admin"}
+    assert str(path) in caplog.text
+    assert key not in caplog.text and key.split("-", 3)[3] not in caplog.text
+    assert key not in keys_path.read_text()
+    # A second start leaves everything alone.
+    assert ensure_admin_key(KeyStore(keys_path), logging.getLogger("appliance.test")) is None
+    assert path.read_text() == content
+
+
+def test_ensure_admin_key_with_an_empty_key_list(keys_path: Path) -> None:
+    _write_doc(keys_path, {"version": 1, "keys": []})
+    store = KeyStore(keys_path)
+    path = ensure_admin_key(store, logging.getLogger("appliance.test"))
+    assert path is not None and path.exists()
+    assert len(store.records) == 1
+
+
+def test_ensure_admin_key_keeps_existing_keys(store: KeyStore, keys_path: Path) -> None:
+    store.create(name="alice")
+    assert ensure_admin_key(KeyStore(keys_path), logging.getLogger("x")) is None
+    assert not (keys_path.parent / "admin.key").exists()
+
+
+def test_ensure_admin_key_refuses_a_corrupt_file(keys_path: Path) -> None:
+    keys_path.parent.mkdir(parents=True)
+    keys_path.write_text("nope")
+    with pytest.raises(KeysFileError):
+        ensure_admin_key(KeyStore(keys_path), logging.getLogger("x"))
+    assert keys_path.read_text() == "nope"
+
+
+# --- KeyWatcher ------------------------------------------------------------------------
+
+
+def test_watcher_poll_reload_and_corrupt_file(
+    store: KeyStore, keys_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    rec_a, key_a = store.create(name="a")
+    watcher = KeyWatcher(store)
+    assert watcher.poll() is True
+
+    rec_b, key_b = KeyStore(keys_path).create(name="b")
+    assert store.authenticate(key_b) is None
+    assert watcher.poll() is True
+    assert store.authenticate(key_b) == rec_b
+
+    caplog.clear()
+    with caplog.at_level(logging.INFO, LOGGER):
+        keys_path.write_text("{corrupt")
+        assert watcher.poll() is False
+        assert watcher.poll() is False
+        assert watcher.reload_now() is False
+        errors = [r for r in caplog.records if r.levelno == logging.ERROR]
+        assert len(errors) == 1, "logged once per distinct content"
+        assert str(keys_path) in errors[0].getMessage()
+        assert "last good keys stay in force" in errors[0].getMessage()
+        assert store.authenticate(key_a) == rec_a and store.authenticate(key_b) == rec_b
+
+        keys_path.write_text("{corrupt, differently")
+        assert watcher.poll() is False
+        assert len([r for r in caplog.records if r.levelno == logging.ERROR]) == 2
+
+    atomic_write(keys_path, keys_mod.render_keys_document([rec_a]))
+    assert watcher.poll() is True
+    assert store.authenticate(key_a) == rec_a
+    assert store.authenticate(key_b) is None
+
+
+def test_watcher_removed_file_means_no_keys(store: KeyStore, keys_path: Path) -> None:
+    _, key = store.create(name="a")
+    watcher = KeyWatcher(store)
+    keys_path.unlink()
+    assert watcher.poll() is True
+    assert store.authenticate(key) is None
+
+
+def test_reload_now_reads_even_when_stat_is_unchanged(store: KeyStore, keys_path: Path) -> None:
+    rec, key = store.create(name="a")
+    watcher = KeyWatcher(store)
+    st = os.stat(keys_path)
+    other = KeyStore(keys_path)
+    other.load()
+    other.revoke(rec.id)
+    # Pretend the change is invisible to stat (same mtime and size; a new inode though).
+    os.utime(keys_path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert watcher.reload_now() is True
+    assert store.authenticate(key) is None
+
+
+async def test_watcher_sees_a_change_within_two_seconds(store: KeyStore, keys_path: Path) -> None:
+    store.create(name="a")
+    watcher = KeyWatcher(store)  # default interval 1 s
+    watcher.start()
+    try:
+        await asyncio.sleep(0.05)
+        rec, key = await asyncio.to_thread(KeyStore(keys_path).create, name="b")
+        start = time.monotonic()
+        while store.authenticate(key) is None:
+            assert time.monotonic() - start < 2.0, "watcher missed the change"
+            await asyncio.sleep(0.05)
+        assert store.authenticate(key) == rec
+
+        await asyncio.to_thread(KeyStore(keys_path).revoke, rec.id)
+        start = time.monotonic()
+        while store.authenticate(key) is not None:
+            assert time.monotonic() - start < 2.0, "watcher missed the revoke"
+            await asyncio.sleep(0.05)
+    finally:
+        await watcher.stop()
+
+
+async def test_watcher_loop_survives_a_corrupt_file_and_errors(
+    store: KeyStore, keys_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rec, key = store.create(name="a")
+    watcher = KeyWatcher(store, interval_s=0.02)
+    watcher.start()
+    try:
+        await asyncio.to_thread(keys_path.write_text, "{")
+        await asyncio.sleep(0.1)
+        assert store.authenticate(key) == rec
+
+        def broken(*_: Any, **__: Any) -> None:
+            raise RuntimeError("unexpected")
+
+        monkeypatch.setattr(watcher, "poll", broken)
+        await asyncio.sleep(0.1)
+        task = watcher._task
+        assert task is not None and not task.done()
+    finally:
+        await watcher.stop()
+    assert task.done()
+    await watcher.stop()  # idempotent
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root can give files away")
+def test_root_editing_the_daemons_file_keeps_it_the_daemons(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    os.chown(state, 65534, 65534)
+    store = KeyStore(state / "keys.json")
+    store.create(name="a")  # new file: takes the directory's owner
+    store.create(name="b")  # existing file: keeps its owner
+    for name in ("keys.json", "keys.json.lock"):
+        st = os.stat(state / name)
+        assert (st.st_uid, st.st_gid) == (65534, 65534)
+        assert stat.S_IMODE(st.st_mode) == 0o600

@@ -1,0 +1,267 @@
+"""plan_engines: which engines run where, with what python, model, ports, keys and env."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from appliance import paths
+from appliance.config import Config, parse_config
+from appliance.errors import ConfigError, EngineSetupError
+from appliance.plan import EnginePlan, plan_engines
+from appliance.systemd import child_environment
+
+SUPERVISOR_ENV = {
+    "PATH": "/usr/bin:/bin",
+    "LANG": "C.UTF-8",
+    "NOTIFY_SOCKET": "/run/systemd/notify",
+    "WATCHDOG_USEC": "30000000",
+    "WATCHDOG_PID": "1234",
+}
+BASE_ENV = child_environment(SUPERVISOR_ENV)
+
+
+@pytest.fixture
+def home(tmp_path: Path) -> Path:
+    """An appliance home as set-up leaves it: engine venv python and the converted model."""
+    python = paths.engine_python(tmp_path)
+    python.parent.mkdir(parents=True)
+    python.write_text("#!/bin/sh\n")
+    model = paths.packaged_model(tmp_path)
+    model.mkdir(parents=True)
+    (model / "config.json").write_text("{}")
+    return tmp_path
+
+
+def plan(
+    raw: dict[str, Any], home: Path, *, gpus: int = 0, cores: list[int] | None = None
+) -> EnginePlan:
+    return plan_engines(
+        parse_config(raw),
+        gpu_count=gpus,
+        cores=list(range(4)) if cores is None else cores,
+        home=home,
+        base_env=BASE_ENV,
+    )
+
+
+def option(argv: tuple[str, ...], name: str) -> str:
+    assert argv.count(name) == 1, (name, argv)
+    return argv[argv.index(name) + 1]
+
+
+@pytest.mark.parametrize(
+    ("engine", "gpus", "expect_device", "expect_gpus", "binds"),
+    [
+        ({}, 0, "cpu", [None], ["0-3"]),
+        ({"cpu_engines": 2}, 0, "cpu", [None, None], ["0-1", "2-3"]),
+        ({"device": "cpu", "cpu_engines": 4}, 2, "cpu", [None] * 4, ["0", "1", "2", "3"]),
+        ({}, 1, "cuda", [0], None),
+        ({}, 2, "cuda", [0, 1], None),
+        ({"device": "cuda"}, 2, "cuda", [0, 1], None),
+        ({}, 12, "cuda", list(range(8)), None),  # at most 8 engines
+        ({"gpus": [1]}, 2, "cuda", [1], None),
+        ({"gpus": [1, 0]}, 2, "cuda", [1, 0], None),
+        ({"gpus": [0, 1], "cpu_engines": 3}, 0, "cpu", [None] * 3, ["0-1", "2", "3"]),
+    ],
+)
+def test_engines_per_device(
+    home: Path,
+    engine: dict[str, Any],
+    gpus: int,
+    expect_device: str,
+    expect_gpus: list[int | None],
+    binds: list[str] | None,
+) -> None:
+    p = plan({"engine": {**engine, "port_base": 9100}}, home, gpus=gpus)
+    assert p.device == expect_device
+    assert [s.gpu for s in p.specs] == expect_gpus
+    assert [s.id for s in p.specs] == list(range(len(expect_gpus)))
+    assert [s.port for s in p.specs] == [9100 + i for i in range(len(expect_gpus))]
+    for spec in p.specs:
+        assert option(spec.argv, "--port") == str(spec.port)
+        assert option(spec.argv, "--host") == "127.0.0.1"
+        if expect_device == "cuda":
+            assert spec.env["CUDA_VISIBLE_DEVICES"] == str(spec.gpu)
+            assert "--gpu-memory-utilization" in spec.argv
+            assert "--enforce-eager" not in spec.argv
+        else:
+            assert spec.env["CUDA_VISIBLE_DEVICES"] == ""
+            assert "--enforce-eager" in spec.argv
+            assert "--gpu-memory-utilization" not in spec.argv
+    if binds is not None:
+        assert [s.env["VLLM_CPU_OMP_THREADS_BIND"] for s in p.specs] == binds
+
+
+def test_default_plan_uses_what_setup_made(home: Path) -> None:
+    p = plan({}, home)
+    (spec,) = p.specs
+    assert p.python == str(paths.engine_python(home))
+    assert p.model == str(paths.packaged_model(home))
+    assert spec.argv[0] == p.python
+    assert option(spec.argv, "--model") == p.model
+    assert p.served_model_name == paths.PACKAGED_MODEL_NAME == "smollm2-135m-instruct"
+    assert option(spec.argv, "--served-model-name") == paths.PACKAGED_MODEL_NAME
+    assert spec.served_model_name == paths.PACKAGED_MODEL_NAME
+    assert spec.env["HF_HUB_OFFLINE"] == "1"
+
+
+def test_served_model_name_override(home: Path) -> None:
+    p = plan({"engine": {"served_model_name": "chat"}}, home)
+    assert p.served_model_name == "chat"
+    assert option(p.specs[0].argv, "--served-model-name") == "chat"
+
+
+@pytest.mark.parametrize(
+    ("engine", "gpus", "fragment"),
+    [
+        ({"gpus": [3]}, 2, "engine.gpus = [3]: GPU(s) [3] not present (NVML sees 2: 0..1)"),
+        ({"gpus": [0, 2]}, 2, "engine.gpus = [0, 2]: GPU(s) [2] not present"),
+        ({"device": "cuda"}, 0, 'engine.device = "cuda": no NVIDIA GPU found'),
+        ({"device": "cuda", "gpus": [0]}, 0, 'engine.device = "cuda"'),
+    ],
+)
+def test_gpus_that_are_not_there_are_a_config_error(
+    home: Path, engine: dict[str, Any], gpus: int, fragment: str
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        plan({"engine": engine}, home, gpus=gpus)
+    assert info.value.exit_code == 2
+    (msg,) = info.value.problems
+    assert msg.startswith(fragment) or fragment in msg, msg
+
+
+def test_missing_engine_venv_says_to_run_setup(home: Path) -> None:
+    paths.engine_python(home).unlink()
+    with pytest.raises(EngineSetupError) as info:
+        plan({}, home)
+    msg = str(info.value)
+    assert "llm-appliance setup" in msg
+    assert str(paths.engine_python(home)) in msg
+    assert info.value.exit_code == 3
+
+
+def test_missing_model_says_to_run_setup(home: Path) -> None:
+    (paths.packaged_model(home) / "config.json").unlink()
+    with pytest.raises(EngineSetupError) as info:
+        plan({}, home)
+    msg = str(info.value)
+    assert "llm-appliance setup" in msg
+    assert "config.json" in msg
+
+
+def test_missing_explicit_python_names_the_key(home: Path, tmp_path: Path) -> None:
+    missing = str(tmp_path / "nowhere" / "python")
+    with pytest.raises(EngineSetupError) as info:
+        plan({"engine": {"python": missing}}, home)
+    msg = str(info.value)
+    assert msg.startswith(f"engine.python = {missing!r} does not exist")
+    assert "llm-appliance setup" in msg
+
+
+def test_explicit_python_is_used(home: Path, tmp_path: Path) -> None:
+    python = tmp_path / "other-python"
+    python.write_text("")
+    p = plan({"engine": {"python": str(python)}}, home)
+    assert p.specs[0].argv[0] == str(python)
+
+
+def test_missing_explicit_model_folder_names_the_key(home: Path, tmp_path: Path) -> None:
+    missing = str(tmp_path / "no-model")
+    with pytest.raises(EngineSetupError, match=r"engine\.model = .*no such folder"):
+        plan({"engine": {"model": missing}}, home)
+
+
+def test_explicit_model_folder_and_model_id(home: Path, tmp_path: Path) -> None:
+    folder = tmp_path / "Qwen2.5-0.5B-Instruct"
+    folder.mkdir()
+    p = plan({"engine": {"model": str(folder)}}, home)
+    assert option(p.specs[0].argv, "--model") == str(folder)
+    assert p.served_model_name == "qwen2.5-0.5b-instruct"
+    # A model id is left to vLLM's local cache (offline); it is not checked here.
+    p = plan({"engine": {"model": "Org/Some-Model"}}, home)
+    assert option(p.specs[0].argv, "--model") == "Org/Some-Model"
+    assert p.served_model_name == "some-model"
+
+
+def test_model_path_with_tilde_reaches_vllm_expanded(
+    home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "mymodel").mkdir()
+    p = plan({"engine": {"model": "~/mymodel"}}, home)
+    assert option(p.specs[0].argv, "--model") == str(tmp_path / "mymodel")
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["/usr/bin/my-server", "--port", "{port}", "--key", "{api_key}"],
+        ["/usr/bin/my-server", "--model", "{model}", "--port", "{port}"],
+    ],
+)
+def test_command_override_without_python_needs_no_venv(home: Path, command: list[str]) -> None:
+    paths.engine_python(home).unlink()
+    p = plan({"engine": {"command": command}}, home, gpus=2)
+    assert [s.argv[0] for s in p.specs] == ["/usr/bin/my-server"] * 2
+    assert [option(s.argv, "--port") for s in p.specs] == ["8100", "8101"]
+
+
+def test_command_override_without_model_needs_no_model(home: Path) -> None:
+    (paths.packaged_model(home) / "config.json").unlink()
+    p = plan({"engine": {"command": ["{python}", "fake.py", "{port}"]}}, home)
+    assert p.specs[0].argv == (str(paths.engine_python(home)), "fake.py", "8100")
+
+
+def test_command_override_with_python_still_needs_the_venv(home: Path) -> None:
+    paths.engine_python(home).unlink()
+    with pytest.raises(EngineSetupError, match="llm-appliance setup"):
+        plan({"engine": {"command": ["{python}", "fake.py"]}}, home)
+
+
+@pytest.mark.parametrize(
+    ("raw", "gpus"),
+    [
+        ({}, 2),
+        ({"engine": {"device": "cpu", "cpu_engines": 3}}, 0),
+        ({"engine": {"command": ["{python}", "x", "--api-key", "{api_key}"]}}, 2),
+    ],
+)
+def test_every_engine_gets_its_own_key_on_its_command_line(
+    home: Path, raw: dict[str, Any], gpus: int
+) -> None:
+    p = plan(raw, home, gpus=gpus)
+    keys = [s.api_key for s in p.specs]
+    assert len(keys) >= 2
+    assert len(set(keys)) == len(keys)
+    for spec in p.specs:
+        assert option(spec.argv, "--api-key") == spec.api_key
+        assert not spec.api_key.startswith("-")
+
+
+def test_a_new_plan_gets_new_keys(home: Path) -> None:
+    assert plan({}, home).specs[0].api_key != plan({}, home).specs[0].api_key
+
+
+def test_children_get_no_systemd_variables_and_a_tag(home: Path) -> None:
+    assert "NOTIFY_SOCKET" not in BASE_ENV
+    p = plan({"engine": {"env": {"EXTRA": "1"}}}, home, gpus=2)
+    tags = [s.tag for s in p.specs]
+    assert len(set(tags)) == len(tags)
+    for spec in p.specs:
+        assert "NOTIFY_SOCKET" not in spec.env
+        assert "WATCHDOG_USEC" not in spec.env
+        assert "WATCHDOG_PID" not in spec.env
+        assert spec.env["PATH"] == SUPERVISOR_ENV["PATH"]
+        assert spec.env["EXTRA"] == "1"
+        assert spec.env["LLM_APPLIANCE_ENGINE"] == spec.tag
+        assert spec.tag.startswith(p.boot_id)
+
+
+def test_plan_is_pure_given_its_inputs(home: Path) -> None:
+    cfg = Config()
+    p = plan_engines(cfg, gpu_count=0, cores=[0, 1], home=home, base_env=BASE_ENV)
+    assert p.device == "cpu"
+    assert child_environment(SUPERVISOR_ENV) == BASE_ENV  # not modified
