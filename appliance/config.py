@@ -216,6 +216,51 @@ class RestartConfig:
 
 
 @dataclass(frozen=True)
+class DegradationConfig:
+    window_s: float = _f(
+        60.0, "Window of engine samples the degradation detector judges.", lo=1, hi=3600
+    )
+    max_preemptions_per_min: float = _f(
+        30.0,
+        "More vLLM preemptions per minute than this over the window: preemption storm.",
+        lo=0,
+        lo_open=True,
+    )
+    hang_s: float = _f(
+        30.0, "Work present but no token generated for this long: hang. At most window_s.", lo=1
+    )
+    leak_kv_usage: float = _f(
+        0.9,
+        "KV cache usage at or above this while at most one "
+        "request runs, for leak_hold_s: leaked KV blocks.",
+        lo=0,
+        hi=1,
+        lo_open=True,
+    )
+    leak_hold_s: float = _f(
+        30.0, "How long the KV-leak condition must hold. At most window_s.", lo=1
+    )
+    slowdown_ratio: float = _f(
+        0.35,
+        "Tokens/s per running request below this fraction of "
+        "the engine's own learned baseline: slowdown.",
+        lo=0,
+        hi=1,
+        lo_open=True,
+    )
+    rss_growth_ratio: float = _f(
+        1.5,
+        "Engine process-tree RSS above this multiple of its "
+        "baseline for the whole window: memory growth.",
+        lo=1,
+        lo_open=True,
+    )
+    baseline_warmup_s: float = _f(
+        60.0, "Seconds after an engine is ready before its baseline is learned.", lo=0
+    )
+
+
+@dataclass(frozen=True)
 class Config:
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -223,6 +268,7 @@ class Config:
     thermal: ThermalConfig = field(default_factory=ThermalConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
     restart: RestartConfig = field(default_factory=RestartConfig)
+    degradation: DegradationConfig = field(default_factory=DegradationConfig)
     source: str = field(default="", metadata={"internal": True})
 
     def summary(self) -> str:
@@ -247,6 +293,7 @@ SECTIONS: dict[str, type[Any]] = {
     "thermal": ThermalConfig,
     "health": HealthConfig,
     "restart": RestartConfig,
+    "degradation": DegradationConfig,
 }
 
 
@@ -435,6 +482,13 @@ def _cross_check(cfg: Config, problems: list[str]) -> None:
             f"thermal.hard_limit_c = {th.hard_limit_c:g}: must be above "
             f"thermal.soft_limit_c ({th.soft_limit_c:g})"
         )
+    d = cfg.degradation
+    for name in ("hang_s", "leak_hold_s"):
+        if getattr(d, name) > d.window_s:
+            problems.append(
+                f"degradation.{name} = {getattr(d, name):g}: must be <= "
+                f"degradation.window_s ({d.window_s:g})"
+            )
     if r.backoff_max_s < r.backoff_initial_s:
         problems.append(
             f"restart.backoff_max_s = {r.backoff_max_s:g}: must be >= "

@@ -75,6 +75,21 @@ def find_tree(tag: str, root_pid: int | None = None) -> list[psutil.Process]:
     return live
 
 
+def tree_rss(root_pid: int) -> int | None:
+    """Resident memory of a process and all its descendants (the degradation detector's
+    view of an engine: vLLM's memory lives mostly in EngineCore and workers)."""
+    try:
+        root = psutil.Process(root_pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return None
+    total = 0
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            total += int(proc.memory_info().rss)
+    return total
+
+
 def signal_all(procs: list[psutil.Process], sig: int) -> None:
     for proc in procs:
         with contextlib.suppress(psutil.Error, OSError):

@@ -33,6 +33,14 @@ LIVE_KEYS: frozenset[str] = frozenset(
         "restart.max_restarts_per_hour",
         "restart.drain_timeout_s",
         "restart.degradation_restart",
+        "degradation.window_s",
+        "degradation.max_preemptions_per_min",
+        "degradation.hang_s",
+        "degradation.leak_kv_usage",
+        "degradation.leak_hold_s",
+        "degradation.slowdown_ratio",
+        "degradation.rss_growth_ratio",
+        "degradation.baseline_warmup_s",
     }
 )
 

@@ -45,6 +45,14 @@ from appliance.engine import (
 from appliance.errors import EXIT_NO_ENGINE, EXIT_OK, ApplianceError, ConfigError
 from appliance.health import HealthHistory, Observation, Verdict, assess, observe
 from appliance.plan import EnginePlan, plan_engines, usable_cores
+from appliance.policy.degradation import (
+    EMPTY_BASELINE,
+    Baseline,
+    DegradationPolicy,
+    EngineSample,
+    learn_baseline,
+)
+from appliance.policy.degradation import assess as assess_degradation
 from appliance.policy.thermal import ThermalPolicy, govern
 from appliance.reload import merge_live
 from appliance.systemd import Notifier, child_environment
@@ -128,7 +136,10 @@ class EngineRuntime:
     requested: RestartReason | None = None  # a planned restart asked for (admin, degraded)
     relay_task: asyncio.Task[None] | None = None
     last_observation: Observation | None = None
+    samples: collections.deque[EngineSample] = field(default_factory=collections.deque)
+    baseline: Baseline = EMPTY_BASELINE
     held: bool = False  # drained by an admin: stays DRAINING until resumed
+    wait_logged: bool = False
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     listeners: list[Callable[[EngineRuntime, EngineState], None]] = field(default_factory=list)
 
@@ -189,7 +200,7 @@ class Supervisor:
         self._ready_sent = False
         self._last_extend = 0.0
         self._last_status = ""
-        self._restart_lock = asyncio.Lock()  # planned restarts go one at a time
+        self._restarting: int | None = None  # the engine in a planned restart (one at a time)
         self._tasks: list[asyncio.Task[None]] = []
         self._session: aiohttp.ClientSession | None = None
 
@@ -217,7 +228,7 @@ class Supervisor:
             self.plan = self._make_plan()
             self.engines = [EngineRuntime(spec) for spec in self.plan.specs]
             for rt in self.engines:
-                rt.listeners.append(lambda _rt, _old: self.link.engines_changed())
+                rt.listeners.append(self._on_state_change)
             log.info(
                 "plan: %d %s engine(s) serving %r from %s",
                 len(self.engines),
@@ -496,6 +507,76 @@ class Supervisor:
         rt.wake.set()
         return True
 
+    def _on_state_change(self, rt: EngineRuntime, old: EngineState) -> None:
+        if rt.spec.id == self._restarting and rt.state in (EngineState.READY, EngineState.FAILED):
+            self._restarting = None  # its planned restart is over: the next may begin
+        self.link.engines_changed()
+
+    def _may_take_out(self, rt: EngineRuntime) -> str | None:
+        """Why a planned restart of ``rt`` must wait, or None when it may go ahead.
+
+        One engine restarts at a time, and an engine is never taken out while it is the
+        last one serving (a box with a single engine has no choice, so it may).
+        """
+        if self._restarting is not None and self._restarting != rt.spec.id:
+            return f"engine{self._restarting} is restarting"
+        others = [e for e in self.engines if e is not rt]
+        if others and not any(e.state is EngineState.READY for e in others):
+            return "it is the last engine serving"
+        return None
+
+    def _degradation_policy(self) -> DegradationPolicy:
+        d = self.config.degradation
+        return DegradationPolicy(
+            window_s=d.window_s,
+            max_preemptions_per_min=d.max_preemptions_per_min,
+            leak_kv_usage=d.leak_kv_usage,
+            leak_hold_s=d.leak_hold_s,
+            slowdown_ratio=d.slowdown_ratio,
+            baseline_warmup_s=d.baseline_warmup_s,
+            rss_growth_ratio=d.rss_growth_ratio,
+            hang_s=d.hang_s,
+        )
+
+    async def _check_degradation(self, rt: EngineRuntime, obs: Observation, pid: int) -> None:
+        now = time.monotonic()
+        rss = await asyncio.to_thread(proctree.tree_rss, pid)
+        rt.samples.append(
+            EngineSample(
+                t=now,
+                preemptions_total=obs.preemptions_total,
+                generation_tokens_total=obs.generation_tokens,
+                running=obs.running,
+                waiting=obs.waiting,
+                kv_cache_usage=obs.kv_cache_usage,
+                rss_bytes=rss,
+            )
+        )
+        policy = self._degradation_policy()
+        while rt.samples and rt.samples[0].t < now - policy.window_s:
+            rt.samples.popleft()
+        started = rt.ready_since if rt.ready_since is not None else now
+        rt.baseline = learn_baseline(rt.samples, rt.baseline, policy, started, now)
+        verdict = assess_degradation(rt.samples, rt.baseline, policy, now)
+        if not verdict.degraded or rt.requested is not None:
+            return
+        if self.config.restart.degradation_restart:
+            log.warning(
+                "%s: degraded (%s: %s); draining it for a restart",
+                rt.spec.name,
+                verdict.reason,
+                verdict.detail,
+            )
+            rt.requested = RestartReason.DEGRADED
+            rt.samples.clear()
+        elif rt.health.consecutive_failures == 0:
+            log.warning(
+                "%s: degraded (%s: %s); restart.degradation_restart = false, so it keeps serving",
+                rt.spec.name,
+                verdict.reason,
+                verdict.detail,
+            )
+
     def drain(self, engine_id: int) -> tuple[bool, str]:
         """Stop routing new work to an engine until resume(); in-flight work finishes."""
         rt = self.engines[engine_id]
@@ -575,6 +656,9 @@ class Supervisor:
             rt.restart_times.clear()
             rt.consecutive_failures = 0
         rt.requested = None
+        rt.wait_logged = False
+        rt.samples.clear()
+        rt.baseline = EMPTY_BASELINE
         rt.wake.clear()
         holder = proctree.port_holder(rt.spec.port)
         if holder is not None or not proctree.port_is_free(rt.spec.port):
@@ -712,15 +796,23 @@ class Supervisor:
                     return_when=asyncio.FIRST_COMPLETED,
                 )
                 wake.cancel()
+                rt.wake.clear()
                 if exited in done:
                     self._log_exit(rt, proc.returncode or 0, "while serving")
                     return RestartReason.CRASH
                 if self.stopping:
                     return None
                 if rt.requested is not None:
-                    reason = rt.requested
-                    await self._drain(rt)
-                    return reason
+                    wait = self._may_take_out(rt)
+                    if wait is None:
+                        self._restarting = rt.spec.id
+                        reason = rt.requested
+                        log.info("%s: %s restart: draining first", rt.spec.name, reason.value)
+                        await self._drain(rt)
+                        return reason
+                    if not rt.wait_logged:
+                        log.info("%s: %s restart waits: %s", rt.spec.name, rt.requested.value, wait)
+                        rt.wait_logged = True
                 if (
                     rt.state is EngineState.READY
                     and rt.ready_since is not None
@@ -739,6 +831,8 @@ class Supervisor:
                 rt.last_observation = obs
                 self.link.observe_kv(rt.spec.id, obs.kv_cache_usage)
                 verdict, rt.health = assess(obs, rt.health, self.config.health.failures_to_restart)
+                if verdict is Verdict.HEALTHY:
+                    await self._check_degradation(rt, obs, proc.pid)
                 if verdict is Verdict.SUSPECT:
                     log.warning(
                         "%s: health check failed (%d/%d): %s",

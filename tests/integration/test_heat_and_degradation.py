@@ -1,0 +1,268 @@
+"""Heat and degradation, end to end through the daemon with fake engines.
+
+`file:` telemetry stands in for NVML (the contract's way to run thermal behaviour
+without hardware); the fake engine reports a preemption storm on demand.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from tests.fakes.appliance_proc import fake_engine_config, get_json, run_appliance
+
+pytestmark = pytest.mark.slow
+MODEL = "smollm2-135m-instruct"
+
+
+def write_sensors(path: Path, temps: list[float], reasons: list[list[str]] | None = None) -> None:
+    gpus = [
+        {
+            "index": i,
+            "temperature_c": t,
+            "power_w": 300,
+            "power_limit_w": 450,
+            "memory_used_bytes": 0,
+            "memory_total_bytes": 25757220864,
+            "utilization": 0.5,
+            "throttle_reasons": (reasons or [[]] * len(temps))[i],
+        }
+        for i, t in enumerate(temps)
+    ]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"gpus": gpus}))
+    tmp.replace(path)
+
+
+def status(app: Any, key: str) -> dict[str, Any]:
+    code, body = get_json(app.url + "/admin/status", headers={"Authorization": f"Bearer {key}"})
+    assert code == 200, body
+    return body  # type: ignore[no-any-return]
+
+
+def metric(app: Any, key: str, line_start: str) -> float | None:
+    import urllib.request
+
+    req = urllib.request.Request(app.url + "/metrics", headers={"Authorization": f"Bearer {key}"})
+    text = urllib.request.urlopen(req, timeout=5).read().decode()
+    for line in text.splitlines():
+        if line.startswith(line_start + " ") or line.startswith(line_start + "{}"):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+def test_hot_gpu_gets_no_new_work_and_recovers_when_cool(tmp_path: Path) -> None:
+    sensors = tmp_path / "sensors.json"
+    write_sensors(sensors, [60, 60])
+    cfg = fake_engine_config(
+        tmp_path,
+        2,
+        "--token-delay-ms",
+        "5",
+        telemetry={"source": f"file:{sensors}", "interval_s": 0.1},
+        thermal={"soft_limit_c": 80, "hard_limit_c": 87, "hysteresis_c": 5},
+    )
+    with run_appliance(tmp_path, cfg) as app:
+        app.wait_ready()
+        key = (tmp_path / "admin.key").read_text().strip()
+        client = openai.OpenAI(base_url=app.url + "/v1", api_key=key, max_retries=0)
+
+        def ask(n: int = 1, max_tokens: int = 4) -> None:
+            for _ in range(n):
+                client.completions.create(model=MODEL, prompt="hi", max_tokens=max_tokens)
+
+        # A long request in flight on GPU 0 when it overheats must still finish.
+        long_done: list[str] = []
+        app.engine_control(1, token_delay_ms=5)
+        app.engine_control(0, token_delay_ms=30)
+        t = threading.Thread(
+            target=lambda: long_done.append(
+                client.completions.create(model=MODEL, prompt="long", max_tokens=60).choices[0].text
+            )
+        )
+        t.start()
+        app.wait_for(
+            lambda: (
+                status(app, key)["engines"][0]["inflight"] == 1
+                or status(app, key)["engines"][1]["inflight"] == 1
+            ),
+            5,
+            "long request",
+        )
+        hot_engine = 0 if status(app, key)["engines"][0]["inflight"] == 1 else 1
+        temps = [60.0, 60.0]
+        temps[hot_engine] = 90.0
+        write_sensors(sensors, temps)
+        app.wait_for(
+            lambda: status(app, key)["engines"][hot_engine]["throttle_level"] == 4,
+            5,
+            "hard throttle",
+        )
+        assert metric(app, key, f'appliance_throttle_level{{gpu="{hot_engine}"}}') == 4
+        before = [app.engine_stats(i)["requests_by_route"] for i in range(2)]  # type: ignore[index]
+        ask(20)
+        after = [app.engine_stats(i)["requests_by_route"] for i in range(2)]  # type: ignore[index]
+
+        def served(i: int) -> int:
+            return sum(after[i].values()) - sum(before[i].values())
+
+        # Health probes go to every engine; client requests only to the cool one.
+        assert served(1 - hot_engine) >= 20
+        assert served(hot_engine) <= 3
+        t.join(10)
+        assert long_done and long_done[0]  # in-flight work on the hot GPU completed
+        # Cool below soft - hysteresis: it serves again.
+        write_sensors(sensors, [60, 60])
+        app.wait_for(
+            lambda: all(e["throttle_level"] == 0 for e in status(app, key)["engines"]),
+            10,
+            "cooled down",
+        )
+        before = [app.engine_stats(i)["requests"] for i in range(2)]  # type: ignore[index]
+        threads = [threading.Thread(target=ask, args=(5, 30)) for _ in range(4)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(30)
+        after_counts = [app.engine_stats(i)["requests"] for i in range(2)]  # type: ignore[index]
+        assert all(a - b >= 3 for a, b in zip(after_counts, before, strict=True))
+
+
+def test_soft_heat_lowers_the_budget_and_slowdown_reason_raises_it(tmp_path: Path) -> None:
+    sensors = tmp_path / "sensors.json"
+    write_sensors(sensors, [82])
+    cfg = fake_engine_config(
+        tmp_path, 1, telemetry={"source": f"file:{sensors}", "interval_s": 0.1}
+    )
+    with run_appliance(tmp_path, cfg) as app:
+        app.wait_ready()
+        key = (tmp_path / "admin.key").read_text().strip()
+        app.wait_for(
+            lambda: status(app, key)["engines"][0]["throttle_level"] == 1, 5, "level 1 at 82C"
+        )
+        write_sensors(sensors, [82], [["hw_thermal_slowdown"]])
+        app.wait_for(
+            lambda: status(app, key)["gpus"][0]["throttle_level"] == 2,
+            5,
+            "slowdown reason adds a level",
+        )
+        assert status(app, key)["gpus"][0]["throttle_reasons"] == ["hw_thermal_slowdown"]
+        assert "gpu0" in app.log() and "throttle level" in app.log()
+
+
+def test_preemption_storm_is_drained_and_restarted_with_zero_client_failures(
+    tmp_path: Path,
+) -> None:
+    cfg = fake_engine_config(
+        tmp_path,
+        2,
+        "--token-delay-ms",
+        "3",
+        degradation={
+            "window_s": 4,
+            "max_preemptions_per_min": 30,
+            "hang_s": 3,
+            "leak_hold_s": 3,
+            "baseline_warmup_s": 0,
+        },
+        health={"interval_s": 0.3, "probe_timeout_s": 2.0, "failures_to_restart": 3},
+        restart={"drain_timeout_s": 10, "backoff_initial_s": 0.2},
+    )
+    with run_appliance(tmp_path, cfg) as app:
+        app.wait_ready()
+        key = (tmp_path / "admin.key").read_text().strip()
+        client = openai.OpenAI(base_url=app.url + "/v1", api_key=key, max_retries=0)
+        storm_pid = app.engine_stats(0)["pid"]  # type: ignore[index]
+        app.engine_control(0, preemptions_per_request=20)
+        failures: list[str] = []
+        done = 0
+        stop = threading.Event()
+
+        def loop() -> None:
+            nonlocal done
+            while not stop.is_set():
+                stream = done % 2 == 0
+                try:
+                    s = client.chat.completions.create(
+                        model=MODEL,
+                        messages=[{"role": "user", "content": "hi"}],
+                        max_tokens=8,
+                        stream=stream,
+                    )
+                    if stream:
+                        assert any(c.choices and c.choices[0].delta.content for c in s)
+                    else:
+                        assert s.choices[0].message.content
+                    done += 1
+                except Exception as exc:  # every failure is a finding
+                    failures.append(repr(exc))
+                    done += 1
+
+        threads = [threading.Thread(target=loop) for _ in range(3)]
+        for th in threads:
+            th.start()
+        try:
+            app.wait_for(
+                lambda: (s := app.engine_stats(0)) is not None and s["pid"] != storm_pid,
+                40,
+                "storming engine replaced",
+            )
+            app.wait_for(
+                lambda: status(app, key)["engines"][0]["state"] == "READY", 20, "replacement ready"
+            )
+            app.wait_for(lambda: done >= 150, 60, "at least 150 requests")
+        finally:
+            stop.set()
+            for th in threads:
+                th.join(30)
+        assert failures == [], failures[:5]
+        assert done >= 150
+        e0 = status(app, key)["engines"][0]
+        assert e0["restarts"] == 1 and e0["last_restart_reason"] == "degraded"
+        log = app.log()
+        assert "degraded (preemption_storm" in log
+        assert "engine0: READY -> DRAINING" in log
+        assert (
+            metric(app, key, 'appliance_engine_restarts_total{engine="0",reason="degraded"}') == 1
+        )
+
+
+def test_admin_drain_resume_and_restart(tmp_path: Path) -> None:
+    cfg = fake_engine_config(tmp_path, 2)
+    with run_appliance(tmp_path, cfg) as app:
+        app.wait_ready()
+        key = (tmp_path / "admin.key").read_text().strip()
+        auth = {"Authorization": f"Bearer {key}"}
+        import urllib.request
+
+        def post(path: str) -> tuple[int, Any]:
+            req = urllib.request.Request(app.url + path, data=b"", headers=auth, method="POST")
+            try:
+                with urllib.request.urlopen(req, timeout=5) as r:
+                    return r.status, json.loads(r.read())
+            except urllib.error.HTTPError as e:
+                return e.code, json.loads(e.read())
+
+        assert post("/admin/engines/0/drain") == (200, {"id": 0, "state": "DRAINING"})
+        # The last engine serving is never taken out by a planned restart: it waits.
+        code, _ = post("/admin/engines/1/restart")
+        assert code == 202
+        time.sleep(1.5)
+        assert status(app, key)["engines"][1]["state"] == "READY"
+        assert "restart waits: it is the last engine serving" in app.log()
+        assert post("/admin/engines/0/resume") == (200, {"id": 0, "state": "READY"})
+        app.wait_for(
+            lambda: status(app, key)["engines"][1]["restarts"] == 1,
+            15,
+            "engine 1 restarted after engine 0 came back",
+        )
+        app.wait_for(lambda: status(app, key)["engines"][1]["state"] == "READY", 15, "ready")
+        assert status(app, key)["engines"][1]["last_restart_reason"] == "admin"
+        assert post("/admin/engines/7/restart")[0] == 404
+        assert post("/admin/engines/0/resume")[0] == 409
