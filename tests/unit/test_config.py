@@ -105,6 +105,14 @@ GOOD: list[tuple[str, Any, Any, dict[str, Any]]] = [
     ("restart.max_restarts_per_hour", 0, 0, {}),
     ("restart.drain_timeout_s", 0, 0.0, {}),
     ("restart.degradation_restart", False, False, {}),
+    ("degradation.window_s", 120, 120.0, {}),
+    ("degradation.max_preemptions_per_min", 5, 5.0, {}),
+    ("degradation.hang_s", 10, 10.0, {}),
+    ("degradation.leak_kv_usage", 0.95, 0.95, {}),
+    ("degradation.leak_hold_s", 20, 20.0, {}),
+    ("degradation.slowdown_ratio", 0.5, 0.5, {}),
+    ("degradation.rss_growth_ratio", 2, 2.0, {}),
+    ("degradation.baseline_warmup_s", 0, 0.0, {}),
 ]
 
 # (key path, bad TOML value, the value as the message shows it, what the message allows)
@@ -199,6 +207,14 @@ BAD: list[Any] = [
     ("restart.max_restarts_per_hour", 1.5, "1.5", "must be an integer"),
     ("restart.drain_timeout_s", -1, "-1", "must be >= 0"),
     ("restart.degradation_restart", "true", '"true"', "must be true or false"),
+    ("degradation.window_s", 0, "0", "must be >= 1"),
+    ("degradation.max_preemptions_per_min", 0, "0", "must be > 0"),
+    ("degradation.hang_s", 0.5, "0.5", "must be >= 1"),
+    ("degradation.leak_kv_usage", 1.5, "1.5", "must be > 0 and <= 1"),
+    ("degradation.leak_hold_s", "30", '"30"', "must be a number"),
+    ("degradation.slowdown_ratio", 0, "0", "must be > 0 and <= 1"),
+    ("degradation.rss_growth_ratio", 1, "1", "must be > 1"),
+    ("degradation.baseline_warmup_s", -1, "-1", "must be >= 0"),
 ]
 
 
@@ -734,3 +750,9 @@ def test_check_config_invalid_toml_exits_2(
     assert main(["check-config", "--config", str(path)]) == EXIT_CONFIG
     err = capsys.readouterr().err
     assert f"{path}: not valid TOML" in err and "Traceback" not in err
+
+
+def test_degradation_hold_times_must_fit_the_window() -> None:
+    with pytest.raises(ConfigError) as ei:
+        parse_config({"degradation": {"window_s": 10, "hang_s": 20}})
+    assert "degradation.hang_s = 20: must be <= degradation.window_s (10)" in str(ei.value)
