@@ -181,6 +181,21 @@ class ThermalConfig:
     hysteresis_c: float = _f(
         5.0, "A throttle level drops only below its limit minus this.", lo=0, hi=30
     )
+    heat_restart_after_s: float = _f(
+        0.0,
+        "0 = off. A GPU at the hard limit this long gets its engine drained and restarted "
+        "with --max-num-batched-tokens halved (smaller batches, lower power); restored "
+        "the same way after heat_restore_after_s at level 0. Pays off when a card "
+        "cannot cool at full batch (poor airflow, hot room); otherwise the admission "
+        "throttle alone is cheaper than a restart.",
+        lo=0,
+    )
+    heat_restore_after_s: float = _f(
+        900.0,
+        "How long a GPU with a heat-reduced engine must stay cool before the full "
+        "batch size is restored.",
+        lo=1,
+    )
 
 
 @dataclass(frozen=True)

@@ -64,7 +64,7 @@ class RestartReason(enum.Enum):
     HUNG = "hung"  # alive but no token came back and none were flowing
     STARTUP_TIMEOUT = "startup_timeout"
     DEGRADED = "degraded"  # the degradation detector's verdict
-    HEAT = "heat"  # sustained heat: restarted with fewer batched tokens
+    HEAT = "heat"  # sustained heat: restarted with fewer batched tokens (or restored)
     ADMIN = "admin"  # POST /admin/engines/{id}/restart
 
 
@@ -243,3 +243,11 @@ def build_env(
             env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind
     env.update(config.engine.env)
     return env
+
+
+def with_batched_tokens(argv: tuple[str, ...], tokens: int | None) -> tuple[str, ...]:
+    """``argv`` with ``--max-num-batched-tokens`` set to ``tokens`` (None: unchanged)."""
+    if tokens is None or "--max-num-batched-tokens" not in argv:
+        return argv
+    i = argv.index("--max-num-batched-tokens")
+    return (*argv[: i + 1], str(tokens), *argv[i + 2 :])

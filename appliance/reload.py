@@ -25,6 +25,8 @@ LIVE_KEYS: frozenset[str] = frozenset(
         "thermal.soft_limit_c",
         "thermal.hard_limit_c",
         "thermal.hysteresis_c",
+        "thermal.heat_restart_after_s",
+        "thermal.heat_restore_after_s",
         "health.interval_s",
         "health.probe_timeout_s",
         "health.failures_to_restart",

@@ -41,6 +41,7 @@ from appliance.engine import (
     EngineState,
     RestartReason,
     check_transition,
+    with_batched_tokens,
 )
 from appliance.errors import EXIT_NO_ENGINE, EXIT_OK, ApplianceError, ConfigError
 from appliance.health import HealthHistory, Observation, Verdict, assess, observe
@@ -53,7 +54,7 @@ from appliance.policy.degradation import (
     learn_baseline,
 )
 from appliance.policy.degradation import assess as assess_degradation
-from appliance.policy.thermal import ThermalPolicy, govern
+from appliance.policy.thermal import HARD_LEVEL, ThermalPolicy, govern
 from appliance.reload import merge_live
 from appliance.systemd import Notifier, child_environment
 from appliance.telemetry import GpuReading, TelemetryError, TelemetrySource, open_source
@@ -140,6 +141,7 @@ class EngineRuntime:
     baseline: Baseline = EMPTY_BASELINE
     held: bool = False  # drained by an admin: stays DRAINING until resumed
     wait_logged: bool = False
+    batched_tokens: int | None = None  # heat-reduced --max-num-batched-tokens, or None
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     listeners: list[Callable[[EngineRuntime, EngineState], None]] = field(default_factory=list)
 
@@ -197,6 +199,8 @@ class Supervisor:
         self.last_tick = time.monotonic()
         self.link: GatewayLink = _NoGateway()
         self.levels: dict[int, int] = {}  # telemetry index -> thermal throttle level
+        self._hard_since: dict[int, float] = {}  # telemetry index -> at HARD since
+        self._cool_since: dict[int, float] = {}  # telemetry index -> at level 0 since
         self._ready_sent = False
         self._last_extend = 0.0
         self._last_status = ""
@@ -487,9 +491,56 @@ class Supervisor:
                     ", " + ",".join(reading.throttle_reasons) if reading.throttle_reasons else "",
                 )
             self.levels[index] = new
+        now = time.monotonic()
         for rt in self.engines:
             key = rt.spec.gpu if rt.spec.gpu is not None else rt.spec.id
-            self.link.set_throttle(rt.spec.id, self.levels.get(key, 0))
+            level = self.levels.get(key, 0)
+            self.link.set_throttle(rt.spec.id, level)
+            if level >= HARD_LEVEL:
+                self._hard_since.setdefault(key, now)
+            else:
+                self._hard_since.pop(key, None)
+            if level == 0:
+                self._cool_since.setdefault(key, now)
+            else:
+                self._cool_since.pop(key, None)
+            self._heat_restart(rt, key, now)
+
+    def _heat_restart(self, rt: EngineRuntime, key: int, now: float) -> None:
+        """Sustained heat: restart with half the batched tokens; restore once cool."""
+        th = self.config.thermal
+        if th.heat_restart_after_s <= 0 or rt.requested is not None:
+            return
+        if rt.state is not EngineState.READY:
+            return
+        hot_for = now - self._hard_since.get(key, now)
+        cool_for = now - self._cool_since.get(key, now)
+        full = self.config.engine.max_num_batched_tokens
+        if rt.batched_tokens is None and hot_for >= th.heat_restart_after_s:
+            if "--max-num-batched-tokens" not in rt.spec.argv:
+                return  # a `command` override: nothing we can halve
+            rt.batched_tokens = max(16, full // 2)
+            log.warning(
+                "%s: GPU %d at the hard limit for %.0f s; restarting it with "
+                "--max-num-batched-tokens %d",
+                rt.spec.name,
+                key,
+                hot_for,
+                rt.batched_tokens,
+            )
+            rt.requested = RestartReason.HEAT
+            rt.wake.set()
+        elif rt.batched_tokens is not None and cool_for >= th.heat_restore_after_s:
+            log.info(
+                "%s: GPU %d cool for %.0f s; restoring --max-num-batched-tokens %d",
+                rt.spec.name,
+                key,
+                cool_for,
+                full,
+            )
+            rt.batched_tokens = None
+            rt.requested = RestartReason.HEAT
+            rt.wake.set()
 
     # ---- engines --------------------------------------------------------------------
     def request_restart(self, engine_id: int, reason: RestartReason) -> bool:
@@ -698,7 +749,7 @@ class Supervisor:
         rfd, wfd = os.pipe()
         try:
             rt.process = await asyncio.create_subprocess_exec(
-                *spec.argv,
+                *with_batched_tokens(spec.argv, rt.batched_tokens),
                 env=dict(spec.env),
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=wfd,

@@ -266,3 +266,41 @@ def test_admin_drain_resume_and_restart(tmp_path: Path) -> None:
         assert status(app, key)["engines"][1]["last_restart_reason"] == "admin"
         assert post("/admin/engines/7/restart")[0] == 404
         assert post("/admin/engines/0/resume")[0] == 409
+
+
+def test_sustained_heat_restarts_with_half_the_batched_tokens_then_restores(
+    tmp_path: Path,
+) -> None:
+    import psutil
+
+    sensors = tmp_path / "sensors.json"
+    write_sensors(sensors, [60, 60])
+    cfg = fake_engine_config(
+        tmp_path,
+        2,
+        "--max-num-batched-tokens",
+        "8192",
+        telemetry={"source": f"file:{sensors}", "interval_s": 0.1},
+        thermal={"heat_restart_after_s": 1, "heat_restore_after_s": 1.5},
+    )
+
+    def batched(i: int) -> str | None:
+        stats = app.engine_stats(i)
+        if stats is None:
+            return None
+        argv = psutil.Process(stats["pid"]).cmdline()
+        return argv[argv.index("--max-num-batched-tokens") + 1]
+
+    with run_appliance(tmp_path, cfg) as app:
+        app.wait_ready()
+        key = (tmp_path / "admin.key").read_text().strip()
+        assert batched(0) == "8192"
+        write_sensors(sensors, [95, 60])
+        app.wait_for(lambda: batched(0) == "4096", 20, "engine 0 restarted with half batch")
+        assert batched(1) == "8192"
+        write_sensors(sensors, [50, 60])
+        app.wait_for(lambda: batched(0) == "8192", 30, "full batch restored once cool")
+        app.wait_for(lambda: status(app, key)["engines"][0]["state"] == "READY", 10, "ready")
+        engine0 = status(app, key)["engines"][0]
+        assert engine0["restarts_by_reason"] == {"heat": 2}
+        assert "at the hard limit for" in app.log() and "restoring" in app.log()
