@@ -315,6 +315,9 @@ class Supervisor:
                 self.notifier.watchdog()
                 last_watchdog = now
             self._update_systemd(now)
+            # Belt and braces for admission: waiters normally get slots on release or
+            # state change; a tick-driven kick bounds any missed wake-up to one tick.
+            self.link.engines_changed()
             if self._stop_task is not None and self._stop_task.done():
                 with contextlib.suppress(asyncio.CancelledError):
                     self._stop_task.result()

@@ -153,6 +153,7 @@ class Admission:
                 )
         waiter = _Waiter(cost, session, exclude, batch)
         (self._batch if batch else self._interactive).append(waiter)
+        self.kick()  # room may exist for it (a blocked head waits for another engine)
         try:
             return await asyncio.wait_for(asyncio.shield(waiter.future), g.queue_timeout_s)
         except TimeoutError:

@@ -1,0 +1,185 @@
+"""Admission and rate limits without HTTP: budgets, queue order, shedding, breaker."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from appliance.config import Config, EngineConfig, GatewayConfig
+from appliance.engine import EngineSnapshot, EngineState
+from appliance.gateway.admission import Admission
+from appliance.gateway.errors import GatewayError
+from appliance.gateway.ratelimit import RateLimiter
+
+
+def make(
+    n: int = 2,
+    *,
+    max_inflight: int = 2,
+    tokens: int = 1000,
+    max_queue: int = 4,
+    queue_timeout_s: float = 1.0,
+    states: list[EngineState] | None = None,
+) -> tuple[Admission, list[EngineSnapshot], list[str]]:
+    cfg = Config(
+        engine=EngineConfig(max_inflight=max_inflight, max_inflight_tokens=tokens),
+        gateway=GatewayConfig(max_queue=max_queue, queue_timeout_s=queue_timeout_s),
+    )
+    snaps = [
+        EngineSnapshot(i, None, 9000 + i, (states or [EngineState.READY] * n)[i], "k")
+        for i in range(n)
+    ]
+    rejected: list[str] = []
+    adm = Admission(lambda: cfg, lambda: snaps, lambda: True, on_reject=rejected.append)
+    return adm, snaps, rejected
+
+
+async def test_spreads_by_outstanding_tokens_and_respects_the_sequence_budget() -> None:
+    adm, _, _ = make(max_inflight=1)
+    a = await adm.acquire(100)
+    b = await adm.acquire(10)
+    assert {a, b} == {0, 1}
+    waiter = asyncio.ensure_future(adm.acquire(10))
+    await asyncio.sleep(0.01)
+    assert not waiter.done() and adm.queue_depth == 1
+    adm.release(a, 100)
+    assert await waiter == a  # the freed slot goes straight to the waiter
+    assert adm.queue_depth == 0
+
+
+async def test_hard_throttled_engine_gets_nothing_new() -> None:
+    adm, _, _ = make(max_inflight=4)
+    adm.throttle_level[0] = 4
+    assert [await adm.acquire(1) for _ in range(4)] == [1, 1, 1, 1]
+    assert adm.inflight(0) == 0
+
+
+async def test_soft_level_halves_the_sequence_budget() -> None:
+    adm, _, _ = make(n=1, max_inflight=4, queue_timeout_s=0.05)
+    adm.throttle_level[0] = 2  # 50 %
+    await adm.acquire(1)
+    await adm.acquire(1)
+    with pytest.raises(GatewayError) as ei:
+        await adm.acquire(1)
+    assert ei.value.status == 503 and ei.value.code == "queue_timeout"
+
+
+async def test_kv_breaker_opens_above_092_and_closes_below_085() -> None:
+    adm, _, _ = make(n=1, queue_timeout_s=1.0)
+    adm.observe_kv(0, 0.95)
+    waiter = asyncio.ensure_future(adm.acquire(1))
+    await asyncio.sleep(0.01)
+    adm.observe_kv(0, 0.90)  # between the two thresholds: still open
+    await asyncio.sleep(0.01)
+    assert not waiter.done()
+    adm.observe_kv(0, 0.80)
+    assert await asyncio.wait_for(waiter, 0.5) == 0
+
+
+async def test_queue_full_is_503_and_batch_is_shed_before_interactive() -> None:
+    adm, _, rejected = make(n=1, max_inflight=1, max_queue=2, queue_timeout_s=2)
+    await adm.acquire(1)
+    batch = asyncio.ensure_future(adm.acquire(1, batch=True))
+    inter1 = asyncio.ensure_future(adm.acquire(1))
+    await asyncio.sleep(0.01)
+    # Queue at half: a new batch request is shed at once.
+    with pytest.raises(GatewayError) as ei:
+        await adm.acquire(1, batch=True)
+    assert ei.value.code == "shed_batch" and ei.value.retry_after
+    # Queue full: an interactive request takes the waiting batch request's place.
+    inter2 = asyncio.ensure_future(adm.acquire(1))
+    await asyncio.sleep(0.01)
+    with pytest.raises(GatewayError) as ei2:
+        await batch
+    assert ei2.value.code == "shed_batch"
+    # Full of interactive requests: the next one is refused.
+    with pytest.raises(GatewayError) as ei3:
+        await adm.acquire(1)
+    assert ei3.value.status == 503 and ei3.value.code == "queue_full"
+    adm.release(0, 1)
+    assert await inter1 == 0  # arrival order
+    adm.release(0, 1)
+    assert await inter2 == 0
+    assert rejected == ["shed_batch", "shed_batch", "queue_full"]
+
+
+async def test_interactive_waiters_go_before_batch_waiters() -> None:
+    adm, _, _ = make(n=1, max_inflight=1, max_queue=10)
+    await adm.acquire(1)
+    order: list[str] = []
+
+    async def want(name: str, batch: bool) -> None:
+        await adm.acquire(1, batch=batch)
+        order.append(name)
+        adm.release(0, 1)
+
+    tasks = [
+        asyncio.ensure_future(want("b1", True)),
+        asyncio.ensure_future(want("i1", False)),
+        asyncio.ensure_future(want("i2", False)),
+    ]
+    await asyncio.sleep(0.01)
+    adm.release(0, 1)
+    await asyncio.gather(*tasks)
+    assert order == ["i1", "i2", "b1"]
+
+
+async def test_a_cancelled_waiter_gives_nothing_away() -> None:
+    adm, _, _ = make(n=1, max_inflight=1)
+    await adm.acquire(1)
+    waiter = asyncio.ensure_future(adm.acquire(1))
+    await asyncio.sleep(0.01)
+    waiter.cancel()
+    await asyncio.sleep(0.01)
+    assert adm.queue_depth == 0
+    adm.release(0, 1)
+    assert adm.inflight(0) == 0  # the slot was not handed to the departed waiter
+
+
+async def test_no_engine_at_all_is_503_at_once_and_shutdown_refuses() -> None:
+    adm, _, _ = make(states=[EngineState.FAILED, EngineState.FAILED])
+    with pytest.raises(GatewayError) as ei:
+        await adm.acquire(1)
+    assert ei.value.code == "no_engine" and ei.value.status == 503
+    cfg = Config()
+    closed = Admission(lambda: cfg, lambda: [], lambda: False)
+    with pytest.raises(GatewayError) as ei2:
+        await closed.acquire(1)
+    assert ei2.value.code == "shutting_down"
+
+
+async def test_exclude_sends_a_retry_elsewhere() -> None:
+    adm, _, _ = make()
+    assert await adm.acquire(1, exclude=frozenset({0})) == 1
+
+
+@pytest.mark.parametrize(
+    ("rpm", "tpm", "asks", "refused_at", "limit"),
+    [
+        (2, None, [1, 1, 1], 2, "rpm"),
+        (None, 100, [60, 60], 1, "tpm"),
+        (None, 100, [500], None, None),  # bigger than a minute's allowance: let through once
+        (None, None, [10**9] * 5, None, None),
+    ],
+)
+def test_rate_limiter_buckets(
+    rpm: int | None, tpm: int | None, asks: list[int], refused_at: int | None, limit: str | None
+) -> None:
+    rl = RateLimiter()
+    results = [rl.check("k", rpm, tpm, n, now=100.0) for n in asks]
+    for i, r in enumerate(results):
+        if i == refused_at:
+            assert r is not None and r[0] == limit and r[1] > 0
+        else:
+            assert r is None
+
+
+def test_rate_limiter_refills_over_time_and_says_when() -> None:
+    rl = RateLimiter()
+    assert rl.check("k", 60, None, 1, now=0.0) is None
+    for _ in range(59):
+        rl.check("k", 60, None, 1, now=0.0)
+    refused = rl.check("k", 60, None, 1, now=0.0)
+    assert refused is not None and refused[1] == pytest.approx(1.0)
+    assert rl.check("k", 60, None, 1, now=1.01) is None
