@@ -1,0 +1,283 @@
+"""Who can reach what, and what never leaks: checked against a running daemon."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import stat
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.fakes.appliance_proc import REPO, Appliance, fake_engine_config, run_appliance
+
+pytestmark = pytest.mark.slow
+MODEL = "smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Appliance, Path, str]]:
+    tmp = tmp_path_factory.mktemp("security")
+    cfg = fake_engine_config(
+        tmp, 2, gateway={"keys_file": str(tmp / "state" / "keys.json"), "max_body_bytes": 4096}
+    )
+    with run_appliance(tmp, cfg) as app:
+        app.wait_ready()
+        key = (tmp / "state" / "admin.key").read_text().strip()
+        yield app, tmp, key
+
+
+def call(
+    url: str,
+    method: str = "GET",
+    key: str | None = None,
+    body: bytes | None = None,
+    timeout: float = 5,
+) -> tuple[int, dict[str, str], bytes]:
+    headers = {"Content-Type": "application/json"}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    req = urllib.request.Request(url, data=body, headers=headers, method=method)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, dict(r.headers), r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), e.read()
+
+
+ROUTES = [
+    ("GET", "/v1/models"),
+    ("POST", "/v1/chat/completions"),
+    ("POST", "/v1/completions"),
+    ("POST", "/v1/embeddings"),
+    ("GET", "/metrics"),
+    ("GET", "/admin/status"),
+    ("POST", "/admin/engines/0/restart"),
+    ("POST", "/admin/engines/0/drain"),
+    ("POST", "/admin/engines/0/resume"),
+    ("GET", "/admin/keys"),
+    ("POST", "/admin/keys"),
+    ("DELETE", "/admin/keys/abcdef01"),
+]
+
+
+def test_every_route_but_health_needs_a_key(daemon: tuple[Appliance, Path, str]) -> None:
+    app, _, _ = daemon
+    for method, path in ROUTES:
+        status, headers, body = call(
+            app.url + path, method, body=b"{}" if method == "POST" else None
+        )
+        assert status == 401, (method, path, status)
+        assert headers.get("WWW-Authenticate", "").startswith("Bearer")
+        assert json.loads(body)["error"]["type"] == "authentication_error"
+    for path in ("/healthz", "/readyz"):
+        assert call(app.url + path)[0] == 200
+
+
+def test_scopes_are_enforced_per_route(daemon: tuple[Appliance, Path, str]) -> None:
+    app, tmp, _ = daemon
+    keys: dict[str, str] = {}
+    for scope in ("user", "metrics"):
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "appliance.cli",
+                "keys",
+                "create",
+                "--name",
+                scope,
+                "--scope",
+                scope,
+                "--config",
+                str(tmp / "config.toml"),
+            ],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            check=True,
+        )
+        keys[scope] = out.stdout.splitlines()[0].strip()
+    time.sleep(2.5)  # the daemon sees key changes within 2 s
+    for method, path in ROUTES:
+        for scope, key in keys.items():
+            status, _, body = call(
+                app.url + path, method, key, body=b"{}" if method == "POST" else None
+            )
+            needed = (
+                "user" if path.startswith("/v1") else "metrics" if path == "/metrics" else "admin"
+            )
+            if scope == needed:
+                assert status not in (401, 403), (scope, method, path, status)
+            else:
+                assert status == 403, (scope, method, path, status)
+                assert json.loads(body)["error"]["type"] == "permission_error"
+
+
+def test_engine_ports_refuse_requests_without_the_per_boot_key(
+    daemon: tuple[Appliance, Path, str],
+) -> None:
+    app, _, key = daemon
+    body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 2}).encode()
+    for i in range(2):
+        port = app.engine_port(i)
+        assert call(f"http://127.0.0.1:{port}/v1/completions", "POST", None, body)[0] == 401
+        # The gateway's keys mean nothing to an engine.
+        assert call(f"http://127.0.0.1:{port}/v1/completions", "POST", key, body)[0] == 401
+        # Engines listen on loopback only.
+        conns = [
+            c
+            for c in psutil.net_connections("tcp")
+            if c.status == psutil.CONN_LISTEN and c.laddr.port == port
+        ]
+        assert conns and all(c.laddr.ip == "127.0.0.1" for c in conns)
+
+
+def test_default_bind_is_loopback() -> None:
+    from appliance.config import Config
+
+    assert Config().gateway.host == "127.0.0.1" and not Config().gateway.allow_lan
+
+
+def test_no_secret_in_logs_metrics_status_or_keys_file(daemon: tuple[Appliance, Path, str]) -> None:
+    app, tmp, key = daemon
+    secret = key.rsplit("-", 1)[-1]
+    engine_keys = []
+    for i in range(2):
+        stats = app.engine_stats(i)
+        assert stats is not None
+        argv = psutil.Process(stats["pid"]).cmdline()
+        engine_keys.append(argv[argv.index("--api-key") + 1])
+    call(
+        app.url + "/v1/completions",
+        "POST",
+        key,
+        json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 2}).encode(),
+    )
+    texts = {
+        "log": app.log(),
+        "metrics": call(app.url + "/metrics", key=key)[2].decode(),
+        "status": call(app.url + "/admin/status", key=key)[2].decode(),
+        "keys file": (tmp / "state" / "keys.json").read_text(),
+        "keys list": subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "appliance.cli",
+                "keys",
+                "list",
+                "--config",
+                str(tmp / "config.toml"),
+            ],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+        ).stdout,
+        "status cli": subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "appliance.cli",
+                "status",
+                "--json",
+                "--config",
+                str(tmp / "config.toml"),
+            ],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+        ).stdout,
+    }
+    assert '"engines"' in texts["status cli"]
+    for where, text in texts.items():
+        assert secret not in text, where
+        for ek in engine_keys:
+            assert ek not in text, where
+
+
+def test_keys_file_and_state_dir_permissions(daemon: tuple[Appliance, Path, str]) -> None:
+    _, tmp, _ = daemon
+    state = tmp / "state"
+    assert stat.S_IMODE(os.stat(state).st_mode) == 0o700
+    for name in ("keys.json", "admin.key"):
+        assert stat.S_IMODE(os.stat(state / name).st_mode) == 0o600, name
+
+
+def test_bodies_and_headers_at_and_beyond_limits(daemon: tuple[Appliance, Path, str]) -> None:
+    app, _, key = daemon
+    base = {"model": MODEL, "max_tokens": 1, "prompt": ""}
+    room = 4096 - len(json.dumps(base))
+    at_limit = json.dumps({**base, "prompt": "x" * room}).encode()
+    assert len(at_limit) == 4096
+    assert call(app.url + "/v1/completions", "POST", key, at_limit)[0] == 200
+    over = json.dumps({**base, "prompt": "x" * (room + 1)}).encode()
+    status, _, body = call(app.url + "/v1/completions", "POST", key, over)
+    assert status == 413 and json.loads(body)["error"]["code"] == "request_too_large"
+    # A header line longer than the server's limit is refused, and nothing breaks.
+    with socket.create_connection(("127.0.0.1", int(app.url.rsplit(":", 1)[1])), 5) as s:
+        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 20000 + b"\r\n\r\n")
+        assert s.recv(100).split(b" ")[1] == b"400"
+    assert call(app.url + "/healthz")[0] == 200
+
+
+def test_slow_clients_do_not_block_others(daemon: tuple[Appliance, Path, str]) -> None:
+    app, _, key = daemon
+    port = int(app.url.rsplit(":", 1)[1])
+    daemon_proc = psutil.Process(app.proc.pid)
+    rss_before = daemon_proc.memory_info().rss
+    # Slowloris: 100 connections that send half a request line and stall.
+    stalled = []
+    for _ in range(100):
+        s = socket.create_connection(("127.0.0.1", port), 5)
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Len")
+        stalled.append(s)
+    # A reader that never reads: a long stream nobody consumes.
+    body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 3000, "stream": True}).encode()
+    lazy = socket.create_connection(("127.0.0.1", port), 5)
+    lazy.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    lazy.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+        + key.encode()
+        + b"\r\nContent-Type: application/json\r\nContent-Length: "
+        + str(len(body)).encode()
+        + b"\r\n\r\n"
+        + body
+    )
+    try:
+        started = time.monotonic()
+        results: list[int] = []
+
+        def ask() -> None:
+            results.append(
+                call(
+                    app.url + "/v1/completions",
+                    "POST",
+                    key,
+                    json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 4}).encode(),
+                )[0]
+            )
+
+        threads = [threading.Thread(target=ask) for _ in range(10)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(15)
+        assert results == [200] * 10
+        assert time.monotonic() - started < 10
+        time.sleep(1.0)
+        grown = daemon_proc.memory_info().rss - rss_before
+        assert grown < 50 * 2**20, f"daemon RSS grew {grown / 2**20:.1f} MiB"
+    finally:
+        for s in stalled:
+            s.close()
+        lazy.close()
+    assert call(app.url + "/healthz")[0] == 200
