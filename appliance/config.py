@@ -37,7 +37,13 @@ MAX_GPUS = 8
 # The supervisor's own variables: the tree tag finds an engine's processes, systemd's
 # socket must never reach an engine, and GPU pinning is engine i -> GPU i.
 RESERVED_ENGINE_ENV = frozenset(
-    {"LLM_APPLIANCE_ENGINE", "NOTIFY_SOCKET", "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER"}
+    {
+        "LLM_APPLIANCE_ENGINE",
+        "NOTIFY_SOCKET",
+        "CUDA_VISIBLE_DEVICES",
+        "CUDA_DEVICE_ORDER",
+        "VLLM_API_KEY",
+    }
 )
 
 Device = Literal["auto", "cuda", "cpu"]

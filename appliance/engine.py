@@ -185,8 +185,8 @@ def build_argv(
         "127.0.0.1",
         "--port",
         str(port),
-        "--api-key",
-        api_key,
+        # The per-boot key goes in the environment (VLLM_API_KEY), not here: any local
+        # user can read a command line (ps, systemctl status), not another's environment.
         "--max-model-len",
         str(e.max_model_len),
         "--max-num-batched-tokens",
@@ -212,6 +212,7 @@ def build_env(
     gpu: int | None,
     cpu_bind: str | None,
     engine_tag: str,
+    api_key: str,
 ) -> dict[str, str]:
     """The engine's environment, built explicitly from a cleaned base.
 
@@ -229,6 +230,7 @@ def build_env(
             "DO_NOT_TRACK": "1",
             "PYTHONUNBUFFERED": "1",  # engine lines reach the journal as they happen
             "LLM_APPLIANCE_ENGINE": engine_tag,
+            "VLLM_API_KEY": api_key,
         }
     )
     if gpu is not None:

@@ -125,7 +125,7 @@ def plan_engines(
             served_model_name=name,
             on_gpu=device == "cuda",
         )
-        env = build_env(config, base_env, gpu=gpu, cpu_bind=binds[i], engine_tag=tag)
+        env = build_env(config, base_env, gpu=gpu, cpu_bind=binds[i], engine_tag=tag, api_key=key)
         specs.append(
             EngineSpec(
                 id=i,

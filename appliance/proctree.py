@@ -2,12 +2,16 @@
 
 vLLM's API server forks an EngineCore, which forks workers; when the API server dies
 (or is SIGKILLed) those children live on and keep GPU memory (vllm#55510). So an
-engine's tree is found three ways, any of which is enough:
+engine's tree is found four ways, and a process found by any of them is ended:
 
 - its process group (each engine is started in its own session, pgid = its pid);
 - the descendants of its first process while that still exists;
-- every process whose environment carries the engine's tag (``LLM_APPLIANCE_ENGINE``),
-  which vLLM's children inherit even when they re-parent or start their own session.
+- the members the supervisor remembered while the tree was whole (pid and start time,
+  so a reused pid is never hit), which still finds a child that left the group;
+- every process whose environment carries the engine's tag (``LLM_APPLIANCE_ENGINE``).
+  vLLM renames its children with setproctitle, which blanks their environment as
+  /proc shows it, so the tag finds the API server and anything forked without a
+  rename, not EngineCore or workers: the first three ways cover those.
 
 The supervisor also makes itself a child subreaper, so orphans re-parent to it rather
 than to PID 1 and their exit statuses can be collected here (no zombies).
@@ -47,9 +51,19 @@ def _tagged(proc: psutil.Process, tag: str) -> bool:
         return False
 
 
-def find_tree(tag: str, root_pid: int | None = None) -> list[psutil.Process]:
+Members = dict[int, float]  # pid -> create_time
+
+
+def find_tree(
+    tag: str, root_pid: int | None = None, known: Members | None = None
+) -> list[psutil.Process]:
     """Every live process of one engine, root first where it still exists."""
     found: dict[int, psutil.Process] = {}
+    for pid, created in (known or {}).items():
+        with contextlib.suppress(psutil.Error):
+            proc = psutil.Process(pid)
+            if proc.create_time() == created:
+                found[pid] = proc
     if root_pid is not None:
         with contextlib.suppress(psutil.Error):
             root = psutil.Process(root_pid)
@@ -75,19 +89,22 @@ def find_tree(tag: str, root_pid: int | None = None) -> list[psutil.Process]:
     return live
 
 
-def tree_rss(root_pid: int) -> int | None:
+def tree_snapshot(root_pid: int) -> tuple[int | None, Members]:
     """Resident memory of a process and all its descendants (the degradation detector's
-    view of an engine: vLLM's memory lives mostly in EngineCore and workers)."""
+    view of an engine: vLLM's memory lives mostly in EngineCore and workers), and the
+    members, to remember for when the root is gone."""
     try:
         root = psutil.Process(root_pid)
         procs = [root, *root.children(recursive=True)]
     except psutil.Error:
-        return None
+        return None, {}
     total = 0
+    members: Members = {}
     for proc in procs:
         with contextlib.suppress(psutil.Error):
             total += int(proc.memory_info().rss)
-    return total
+            members[proc.pid] = proc.create_time()
+    return total, members
 
 
 def signal_all(procs: list[psutil.Process], sig: int) -> None:
@@ -116,12 +133,14 @@ class KillResult:
     left: int  # processes still there after SIGKILL (should be 0)
 
 
-def kill_tree(tag: str, root_pid: int | None, timeout_s: float) -> KillResult:
+def kill_tree(
+    tag: str, root_pid: int | None, timeout_s: float, known: Members | None = None
+) -> KillResult:
     """SIGTERM the whole tree, wait up to ``timeout_s``, SIGKILL what is left, reap.
 
     Blocking (it polls); the supervisor runs it in a thread.
     """
-    procs = find_tree(tag, root_pid)
+    procs = find_tree(tag, root_pid, known)
     all_pids = {p.pid for p in procs}
     if not procs:
         return KillResult(0, 0, 0)
@@ -134,7 +153,7 @@ def kill_tree(tag: str, root_pid: int | None, timeout_s: float) -> KillResult:
     while alive and time.monotonic() < deadline:
         reap_orphans(all_pids, skip=root_pid)
         time.sleep(0.05)
-        alive = [p for p in find_tree(tag, root_pid)]
+        alive = find_tree(tag, root_pid, known)
         all_pids |= {p.pid for p in alive}
     terminated = len(all_pids) - len(alive)
     killed = len(alive)
@@ -153,7 +172,7 @@ def kill_tree(tag: str, root_pid: int | None, timeout_s: float) -> KillResult:
         while alive and time.monotonic() < end:
             reap_orphans(all_pids, skip=root_pid)
             time.sleep(0.05)
-            alive = find_tree(tag, root_pid)
+            alive = find_tree(tag, root_pid, known)
     reap_orphans(all_pids, skip=root_pid)
     return KillResult(terminated, killed, len(alive))
 

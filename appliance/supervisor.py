@@ -142,6 +142,7 @@ class EngineRuntime:
     held: bool = False  # drained by an admin: stays DRAINING until resumed
     wait_logged: bool = False
     batched_tokens: int | None = None  # heat-reduced --max-num-batched-tokens, or None
+    members: proctree.Members = field(default_factory=dict)  # its tree, last seen whole
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     listeners: list[Callable[[EngineRuntime, EngineState], None]] = field(default_factory=list)
 
@@ -594,7 +595,8 @@ class Supervisor:
 
     async def _check_degradation(self, rt: EngineRuntime, obs: Observation, pid: int) -> None:
         now = time.monotonic()
-        rss = await asyncio.to_thread(proctree.tree_rss, pid)
+        rss, members = await asyncio.to_thread(proctree.tree_snapshot, pid)
+        rt.members.update(members)
         rt.samples.append(
             EngineSample(
                 t=now,
@@ -820,6 +822,7 @@ class Supervisor:
             if obs.health_ok and obs.probe_ok:
                 rt.health = HealthHistory(0, obs.generation_tokens)
                 rt.last_observation = obs
+                _, rt.members = await asyncio.to_thread(proctree.tree_snapshot, proc.pid)
                 return None
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(proc.wait()), STARTUP_POLL_S)
@@ -936,7 +939,14 @@ class Supervisor:
     async def _kill_tree(self, rt: EngineRuntime, timeout_s: float) -> None:
         proc = rt.process
         root = proc.pid if proc is not None else None
-        result = await asyncio.to_thread(proctree.kill_tree, rt.spec.tag, root, timeout_s)
+        if proc is not None and proc.returncode is not None:
+            # The API server is gone: what is left has no clients and nothing to finish
+            # gracefully, and vLLM's orphaned EngineCore takes 10-20 s to obey SIGTERM.
+            timeout_s = min(timeout_s, 1.0)
+        result = await asyncio.to_thread(
+            proctree.kill_tree, rt.spec.tag, root, timeout_s, dict(rt.members)
+        )
+        rt.members.clear()
         if proc is not None:
             with contextlib.suppress(TimeoutError, ProcessLookupError):
                 await asyncio.wait_for(proc.wait(), 5.0)

