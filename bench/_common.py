@@ -1,0 +1,433 @@
+"""Shared pieces of the benchmarks: a quiet machine, a daemon with fake engines, a load
+generator, percentiles and tables.
+
+Everything runs on loopback. The daemon is a real ``llm-appliance serve`` process
+(started by ``tests.fakes.appliance_proc.run_appliance``) whose engines are the fast
+fake engine; engine keys are read from ``/proc/<engine pid>/cmdline`` so a client can
+go straight to an engine, bypassing the gateway, for the "direct" side of a comparison.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import psutil
+
+from tests.fakes.appliance_proc import (
+    REPO,
+    Appliance,
+    fake_engine_config,
+    get_json,
+    run_appliance,
+)
+
+MODEL = "bench-model"
+SSE_DATA = b"data: "
+DONE = b"data: [DONE]"
+ERROR_MARK = b'"error"'
+
+
+# ---------------------------------------------------------------------------- machine
+
+
+@dataclass
+class Quiet:
+    quiet: bool
+    waited_s: float
+    others: list[str]
+    loadavg_before: tuple[float, float, float]
+    busy_at_start: float = 0.0  # share of all CPUs busy just before the run
+    polls: int = 0  # during the run: 1-s polls of `pgrep -f vllm`
+    busy_polls: int = 0  # ... that found a vLLM process
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+    _cpu0: Any = None
+    _busy_run: float | None = None
+
+    def start_watching(self) -> None:
+        """Poll for vLLM every second until stop_watching(), to say whether the run was quiet."""
+
+        self._cpu0 = psutil.cpu_times()
+
+        def loop() -> None:
+            while not self._stop.wait(1.0):
+                self.polls += 1
+                if vllm_processes():
+                    self.busy_polls += 1
+
+        self._thread = threading.Thread(target=loop, daemon=True)
+        self._thread.start()
+
+    def stop_watching(self) -> None:
+        if self._cpu0 is not None and self._busy_run is None:
+            t0, t1 = self._cpu0, psutil.cpu_times()
+            total = sum(t1) - sum(t0)
+            idle = (t1.idle - t0.idle) + (getattr(t1, "iowait", 0) - getattr(t0, "iowait", 0))
+            self._busy_run = (total - idle) / total if total > 0 else None
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5)
+
+    @property
+    def quiet_throughout(self) -> bool:
+        return self.quiet and self.busy_polls == 0
+
+    def describe(self) -> str:
+        la = ", ".join(f"{x:.2f}" for x in self.loadavg_before)
+        if self.quiet:
+            extra = f" after waiting {self.waited_s:.0f} s" if self.waited_s >= 1 else ""
+            start = (
+                f"quiet at start (no vLLM process running{extra}; CPUs "
+                f"{self.busy_at_start:.0%} busy; load average {la})"
+            )
+        else:
+            start = (
+                f"NOT quiet at start: {len(self.others)} vLLM process(es) still running after "
+                f"{self.waited_s:.0f} s of waiting (CPUs {self.busy_at_start:.0%} busy; "
+                f"load average {la})"
+            )
+        if self.polls:
+            if self.busy_polls == 0:
+                during = f"no vLLM process seen during the run ({self.polls} polls, 1 s apart)"
+            else:
+                during = (
+                    f"**vLLM was running during {self.busy_polls} of {self.polls} one-second "
+                    "polls of the run: figures disturbed**"
+                )
+            if self._busy_run is not None:
+                during += f"; all CPUs {self._busy_run:.0%} busy on average during the run"
+            return f"{start}; {during}"
+        return start
+
+
+def vllm_processes() -> list[str]:
+    """Other processes whose command line mentions vllm (`pgrep -f vllm`), not ours."""
+    try:
+        out = subprocess.run(
+            ["pgrep", "-af", "vllm"], capture_output=True, text=True, timeout=5
+        ).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    mine = {os.getpid(), os.getppid()}
+    lines = []
+    for line in out.splitlines():
+        pid, _, cmd = line.partition(" ")
+        if pid.isdigit() and int(pid) not in mine:
+            lines.append(f"{pid} {cmd[:100]}")
+    return lines
+
+
+def machine_busy(sample_s: float = 2.0) -> float:
+    """Share of all CPUs busy (every process) over ``sample_s`` seconds."""
+    return float(psutil.cpu_percent(interval=sample_s)) / 100.0
+
+
+def wait_for_quiet(max_wait_s: float = 600.0, poll_s: float = 30.0, busy_max: float = 0.4) -> Quiet:
+    """Wait (polling every ``poll_s``) until no vLLM runs on the box and the CPUs are
+    mostly idle (< ``busy_max`` over 2 s), up to ``max_wait_s``."""
+    start = time.monotonic()
+    others = vllm_processes()
+    busy = machine_busy()
+    while (others or busy > busy_max) and time.monotonic() - start < max_wait_s:
+        print(
+            f"  waiting for a quiet machine: {len(others)} vLLM process(es) running, "
+            f"CPUs {busy:.0%} busy ({time.monotonic() - start:.0f} s so far)",
+            flush=True,
+        )
+        time.sleep(poll_s)
+        others = vllm_processes()
+        busy = machine_busy()
+    waited = time.monotonic() - start
+    if others or busy > busy_max:
+        print(f"  machine still busy after {waited:.0f} s; measuring anyway (noted)", flush=True)
+    q = Quiet(not others, waited, others, os.getloadavg())
+    q.busy_at_start = busy
+    return q
+
+
+def machine_line() -> str:
+    return (
+        f"{os.cpu_count()} CPU(s) ({platform.processor() or platform.machine()}), "
+        f"Python {platform.python_version()}, aiohttp {aiohttp.__version__}"
+    )
+
+
+# ---------------------------------------------------------------------------- daemon
+
+
+@dataclass
+class Daemon:
+    app: Appliance
+    tmp: Path
+    admin_key: str
+
+    @property
+    def url(self) -> str:
+        return self.app.url
+
+    @property
+    def pid(self) -> int:
+        return self.app.proc.pid
+
+    @property
+    def auth(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.admin_key}"}
+
+    def status(self) -> dict[str, Any]:
+        code, body = get_json(self.url + "/admin/status", headers=self.auth)
+        if code != 200:
+            raise RuntimeError(f"/admin/status answered {code}: {body}")
+        return body  # type: ignore[no-any-return]
+
+    def engine_pid(self, i: int) -> int:
+        pid = self.status()["engines"][i]["pid"]
+        if not pid:
+            raise RuntimeError(f"engine {i} has no pid")
+        return int(pid)
+
+    def engine_url(self, i: int) -> str:
+        return f"http://127.0.0.1:{self.app.engine_port(i)}"
+
+    def engine_key(self, i: int) -> str:
+        return engine_key_of(self.engine_pid(i))
+
+    def wait_engines_ready(self, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with contextlib.suppress(RuntimeError):
+                if all(e["state"] == "READY" for e in self.status()["engines"]):
+                    return
+            time.sleep(0.05)
+        raise RuntimeError("engines not all READY in time:\n" + self.app.log()[-3000:])
+
+
+def engine_key_of(pid: int) -> str:
+    """The per-boot engine key from the engine's command line (``--api-key KEY``)."""
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    for i, arg in enumerate(argv):
+        if arg == b"--api-key" and i + 1 < len(argv):
+            return argv[i + 1].decode()
+        if arg.startswith(b"--api-key="):
+            return arg.split(b"=", 1)[1].decode()
+    raise RuntimeError(f"no --api-key in /proc/{pid}/cmdline")
+
+
+@contextlib.contextmanager
+def daemon(
+    engines: int,
+    fake_args: Sequence[str],
+    keep: bool = False,
+    env: dict[str, str] | None = None,
+    **overrides: dict[str, Any],
+) -> Iterator[Daemon]:
+    """A running daemon with ``engines`` fake engines, READY, and its admin key.
+
+    ``env`` is added to the daemon's environment (engines inherit it)."""
+    tmp = Path(tempfile.mkdtemp(prefix="llm-appliance-bench-"))
+    try:
+        engine_over = {"served_model_name": MODEL, **overrides.pop("engine", {})}
+        cfg = fake_engine_config(tmp, engines, *fake_args, engine=engine_over, **overrides)
+        with run_appliance(tmp, cfg, env=env) as app:
+            app.wait_ready(timeout=60)
+            key = (tmp / "admin.key").read_text().strip()
+            d = Daemon(app, tmp, key)
+            d.wait_engines_ready()
+            yield d
+    finally:
+        if keep:
+            print(f"  (daemon files kept in {tmp})")
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+UVLOOP_SITECUSTOMIZE = """\
+# Written by bench._common.uvloop_env: the daemon runs on uvloop (an experiment; the
+# appliance itself uses asyncio's default loop).
+import asyncio
+
+import uvloop
+
+asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+"""
+
+
+def uvloop_env(uvloop_path: str = "") -> dict[str, str]:
+    """Environment that makes a Python process (the daemon, and its fake engines) run
+    asyncio on uvloop, without touching the appliance's code: a ``sitecustomize`` that
+    installs uvloop's policy, found first on PYTHONPATH. ``uvloop_path``: a folder where
+    uvloop is installed (``pip install --target DIR uvloop``), when the venv lacks it."""
+    site = Path(tempfile.mkdtemp(prefix="bench-uvloop-"))
+    (site / "sitecustomize.py").write_text(UVLOOP_SITECUSTOMIZE)
+    paths = [str(site), *([uvloop_path] if uvloop_path else []), str(REPO)]
+    check = subprocess.run(
+        [sys.executable, "-c", "import asyncio, uvloop; print(type(asyncio.new_event_loop()))"],
+        env={**os.environ, "PYTHONPATH": ":".join(paths)},
+        capture_output=True,
+        text=True,
+    )
+    if "uvloop" not in check.stdout:
+        raise SystemExit(
+            "uvloop is not importable: pip install --target DIR uvloop, then pass "
+            f"--uvloop-path DIR ({check.stderr.strip()[-200:]})"
+        )
+    return {"PYTHONPATH": ":".join(paths)}
+
+
+# ---------------------------------------------------------------------------- client
+
+
+@dataclass(slots=True)
+class Result:
+    ok: bool
+    start: float  # monotonic
+    ttft: float  # seconds to the first data event (streams) or to the body (others)
+    total: float
+    events: int  # SSE data events received (token chunks, final chunk, [DONE])
+    stream: bool = True
+    status: int = 0
+    error: str = ""
+    target: int = -1  # which engine (direct) or -1 (gateway)
+
+
+def completion_body(max_tokens: int, stream: bool, prompt: str = "hello there") -> bytes:
+    return json.dumps(
+        {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "stream": stream}
+    ).encode()
+
+
+def client_session() -> aiohttp.ClientSession:
+    # limit=0: aiohttp's default of 100 connections would queue streams beyond 100.
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0, force_close=False),
+        timeout=aiohttp.ClientTimeout(total=120, sock_connect=10),
+        trust_env=False,
+        auto_decompress=False,
+    )
+
+
+async def request(
+    session: aiohttp.ClientSession,
+    base_url: str,
+    key: str,
+    body: bytes,
+    stream: bool,
+    target: int = -1,
+) -> Result:
+    """One /v1/completions request; a stream is OK only if it ends with [DONE], no error."""
+    headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+    t0 = time.monotonic()
+    ttft = 0.0
+    events = 0
+    try:
+        async with session.post(base_url + "/v1/completions", data=body, headers=headers) as resp:
+            if resp.status != 200 or not stream:
+                data = await resp.read()
+                now = time.monotonic()
+                ok = resp.status == 200 and b'"choices"' in data
+                err = "" if ok else f"{resp.status} {data[:120]!r}"
+                return Result(ok, t0, now - t0, now - t0, 0, stream, resp.status, err, target)
+            done = bad = False
+            async for chunk in resp.content.iter_any():
+                n = chunk.count(SSE_DATA)
+                if n and not events:
+                    ttft = time.monotonic() - t0
+                events += n
+                if ERROR_MARK in chunk:
+                    bad = True
+                if DONE in chunk:
+                    done = True
+            now = time.monotonic()
+            ok = done and not bad
+            err = "" if ok else ("error event" if bad else "stream ended without [DONE]")
+            return Result(ok, t0, ttft, now - t0, events, stream, resp.status, err, target)
+    except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+        now = time.monotonic()
+        return Result(False, t0, ttft, now - t0, events, stream, 0, type(exc).__name__, target)
+
+
+async def closed_loop(
+    concurrency: int, duration_s: float, one: Callable[[int], Awaitable[Result]]
+) -> tuple[list[Result], float]:
+    """``concurrency`` workers, each issuing requests back to back until the deadline.
+
+    Returns every result and the wall time from start until the last request ended.
+    """
+    results: list[Result] = []
+    t0 = time.monotonic()
+    deadline = t0 + duration_s
+
+    async def worker(w: int) -> None:
+        while time.monotonic() < deadline:
+            results.append(await one(w))
+
+    await asyncio.gather(*(worker(w) for w in range(concurrency)))
+    return results, time.monotonic() - t0
+
+
+# ---------------------------------------------------------------------------- figures
+
+
+def pct(values: Sequence[float], p: float) -> float:
+    """The p-th percentile (0..100), linear between closest ranks; NaN when empty."""
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    k = (len(s) - 1) * p / 100.0
+    lo = int(k)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def ms(x: float) -> str:
+    return "–" if x != x else f"{x * 1000:.2f}"
+
+
+@dataclass
+class Table:
+    headers: list[str]
+    rows: list[list[str]] = field(default_factory=list)
+
+    def add(self, *cells: Any) -> None:
+        self.rows.append([str(c) for c in cells])
+
+    def markdown(self) -> str:
+        widths = [
+            max(len(h), *(len(r[i]) for r in self.rows)) if self.rows else len(h)
+            for i, h in enumerate(self.headers)
+        ]
+        line = "| " + " | ".join(h.ljust(w) for h, w in zip(self.headers, widths, strict=True))
+        sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+        out = [line + " |", sep]
+        for r in self.rows:
+            out.append("| " + " | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) + " |")
+        return "\n".join(out)
+
+
+def header(title: str, argv: Sequence[str], quiet: Quiet) -> str:
+    cmd = ".venv/bin/python -m " + " ".join([argv[0], *argv[1:]])
+    return (
+        f"## {title}\n\n"
+        f"- command: `{cmd}`\n"
+        f"- machine: {machine_line()}\n"
+        f"- noise: {quiet.describe()}\n"
+        f"- date: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}\n"
+    )
+
+
+def module_argv(module: str) -> list[str]:
+    return [module, *sys.argv[1:]]
