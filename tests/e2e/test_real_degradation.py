@@ -31,7 +31,7 @@ from tests.e2e.conftest import (
 )
 from tests.fakes.appliance_proc import _free_port_run, free_port, run_appliance
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 MODEL = paths.PACKAGED_MODEL_NAME
 
 
