@@ -80,6 +80,8 @@ class EngineSpec:
     tag: str  # LLM_APPLIANCE_ENGINE value inherited by its whole tree
     env: Mapping[str, str] = field(default_factory=dict)
     served_model_name: str = ""
+    # CPU engines: the cores its whole process tree is pinned to (None: not pinned).
+    cpus: tuple[int, ...] | None = None
 
     @property
     def name(self) -> str:
@@ -116,25 +118,29 @@ def served_name(config: Config, model_path: str) -> str:
     return Path(model_path.rstrip("/")).name.lower() or "model"
 
 
-def cpu_core_split(cores: Sequence[int], engines: int) -> list[str]:
-    """Split the usable cores into contiguous ranges, one per engine (VLLM_CPU_OMP_THREADS_BIND).
+def cpu_core_sets(cores: Sequence[int], engines: int) -> list[tuple[int, ...]]:
+    """Split the usable cores into contiguous sets, one per engine (empty: no cores known).
 
     With fewer cores than engines, engines share cores round-robin rather than fail: a
     2-core laptop asked for 4 engines is still useful for testing.
     """
     cores = sorted(cores)
     if not cores:
-        return ["all"] * engines
+        return [()] * engines
     if engines > len(cores):
-        return [str(cores[i % len(cores)]) for i in range(engines)]
+        return [(cores[i % len(cores)],) for i in range(engines)]
     per, extra = divmod(len(cores), engines)
     out, start = [], 0
     for i in range(engines):
         n = per + (1 if i < extra else 0)
-        chunk = cores[start : start + n]
+        out.append(tuple(cores[start : start + n]))
         start += n
-        out.append(_ranges(chunk))
     return out
+
+
+def cpu_core_split(cores: Sequence[int], engines: int) -> list[str]:
+    """:func:`cpu_core_sets` as VLLM_CPU_OMP_THREADS_BIND values ("0-3", "4,6", "all")."""
+    return [_ranges(s) if s else "all" for s in cpu_core_sets(cores, engines)]
 
 
 def _ranges(cores: Sequence[int]) -> str:

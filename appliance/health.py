@@ -91,6 +91,21 @@ def metric_sums(text: str, names: Collection[str]) -> dict[str, float]:
     return out
 
 
+async def read_kv_usage(
+    session: aiohttp.ClientSession, base_url: str, timeout_s: float
+) -> float | None:
+    """The engine's ``vllm:kv_cache_usage_perc`` (0..1), or None when it cannot be read."""
+    try:
+        timeout = aiohttp.ClientTimeout(total=timeout_s)
+        async with session.get(f"{base_url}/metrics", timeout=timeout) as resp:
+            if resp.status != 200:
+                return None
+            sums = metric_sums(await resp.text(), ("vllm:kv_cache_usage_perc",))
+    except (TimeoutError, aiohttp.ClientError, ValueError):
+        return None
+    return sums.get("vllm:kv_cache_usage_perc")
+
+
 async def observe(
     session: aiohttp.ClientSession, base_url: str, api_key: str, model: str, timeout_s: float
 ) -> Observation:

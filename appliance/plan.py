@@ -18,6 +18,7 @@ from appliance.engine import (
     EngineSpec,
     build_argv,
     build_env,
+    cpu_core_sets,
     cpu_core_split,
     new_api_key,
     served_name,
@@ -100,9 +101,11 @@ def plan_engines(
         else:
             gpus = list(range(min(gpu_count, 8)))
         binds: list[str | None] = [None] * len(gpus)
+        core_sets: list[tuple[int, ...]] = [()] * len(gpus)
     else:
         gpus = [None] * e.cpu_engines
         binds = list(cpu_core_split(cores, e.cpu_engines))
+        core_sets = cpu_core_sets(cores, e.cpu_engines)
     python, model = resolve_python_and_model(config, home)
     name = (
         served_name(config, model)
@@ -126,6 +129,12 @@ def plan_engines(
             on_gpu=device == "cuda",
         )
         env = build_env(config, base_env, gpu=gpu, cpu_bind=binds[i], engine_tag=tag, api_key=key)
+        # Pin a CPU engine's whole tree to its own cores, unless engine.env overrides the
+        # OMP binding (then the admin has their own layout). Unpinned, a starting engine is
+        # stuck behind its neighbour: at import, MKL hops onto every allowed core in turn
+        # to count them, and on a core where the other engine's OpenMP threads spin it can
+        # wait minutes to run (seen here: a restart never became READY).
+        pinned = binds[i] is not None and env.get("VLLM_CPU_OMP_THREADS_BIND") == binds[i]
         specs.append(
             EngineSpec(
                 id=i,
@@ -136,6 +145,7 @@ def plan_engines(
                 tag=tag,
                 env=env,
                 served_model_name=name,
+                cpus=core_sets[i] if pinned and core_sets[i] else None,
             )
         )
     return EnginePlan(device, python, model, name, tuple(specs), boot_id)

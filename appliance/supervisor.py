@@ -44,7 +44,7 @@ from appliance.engine import (
     with_batched_tokens,
 )
 from appliance.errors import EXIT_NO_ENGINE, EXIT_OK, ApplianceError, ConfigError
-from appliance.health import HealthHistory, Observation, Verdict, assess, observe
+from appliance.health import HealthHistory, Observation, Verdict, assess, observe, read_kv_usage
 from appliance.plan import EnginePlan, plan_engines, usable_cores
 from appliance.policy.degradation import (
     EMPTY_BASELINE,
@@ -62,6 +62,8 @@ from appliance.telemetry import GpuReading, TelemetryError, TelemetrySource, ope
 log = logging.getLogger("appliance.supervisor")
 
 STABLE_AFTER_S = 60.0  # READY this long resets the crash backoff
+KV_POLL_S = 0.5  # KV usage reads while an engine's KV breaker is open
+UNRESPONSIVE_GRACE_S = 2.0  # SIGTERM → SIGKILL for a hung engine (not engine.stop_timeout_s)
 STARTUP_POLL_S = 0.5
 EXTEND_EVERY_S = 5.0
 EXTEND_BY_S = 30.0
@@ -91,6 +93,7 @@ class GatewayLink(Protocol):
 
     def inflight(self, engine_id: int) -> int: ...
     def observe_kv(self, engine_id: int, usage: float | None) -> None: ...
+    def kv_tripped(self, engine_id: int) -> bool: ...
     def set_throttle(self, engine_id: int, level: int) -> None: ...
     def engines_changed(self) -> None: ...
     def stopping(self) -> None: ...
@@ -103,6 +106,9 @@ class _NoGateway:
 
     def observe_kv(self, engine_id: int, usage: float | None) -> None:
         pass
+
+    def kv_tripped(self, engine_id: int) -> bool:
+        return False
 
     def set_throttle(self, engine_id: int, level: int) -> None:
         pass
@@ -663,7 +669,7 @@ class Supervisor:
                 if self.stopping or rt.requested is None:
                     continue
             reason = await self._start_and_watch(rt)
-            await self._stop_engine(rt)
+            await self._stop_engine(rt, reason)
             if self.stopping or reason is None:
                 break
             now = time.monotonic()
@@ -768,6 +774,13 @@ class Supervisor:
             return
         finally:
             os.close(wfd)
+        if spec.cpus:
+            # Set before the child gets far: the interpreter needs a few ms to start and
+            # vLLM's first children come seconds later, so the whole tree inherits it.
+            try:
+                os.sched_setaffinity(rt.process.pid, spec.cpus)
+            except OSError as exc:
+                log.warning("%s: cannot pin to cores %s: %s", spec.name, spec.cpus, exc)
         rt.relay_task = asyncio.create_task(self._relay_output(rt, rfd), name=f"relay-{spec.name}")
 
     async def _relay_output(self, rt: EngineRuntime, fd: int) -> None:
@@ -844,12 +857,21 @@ class Supervisor:
         assert self._session is not None and rt.process is not None
         proc = rt.process
         exited = asyncio.ensure_future(proc.wait())
+        interval = self.config.health.interval_s
+        next_check = time.monotonic() + interval
         try:
             while True:
+                # While its KV breaker is open the engine gets nothing new: read its KV
+                # usage often, so it is back in service soon after the pressure falls,
+                # not up to a whole health interval later.
+                kv_poll = self.link.kv_tripped(rt.spec.id)
+                timeout = max(0.0, next_check - time.monotonic())
+                if kv_poll:
+                    timeout = min(timeout, KV_POLL_S)
                 wake = asyncio.ensure_future(rt.wake.wait())
                 done, _ = await asyncio.wait(
                     {exited, wake},
-                    timeout=self.config.health.interval_s,
+                    timeout=timeout,
                     return_when=asyncio.FIRST_COMPLETED,
                 )
                 wake.cancel()
@@ -870,6 +892,16 @@ class Supervisor:
                     if not rt.wait_logged:
                         log.info("%s: %s restart waits: %s", rt.spec.name, rt.requested.value, wait)
                         rt.wait_logged = True
+                if time.monotonic() < next_check:
+                    if kv_poll and not done:
+                        usage = await read_kv_usage(
+                            self._session,
+                            f"http://127.0.0.1:{rt.spec.port}",
+                            self.config.health.probe_timeout_s,
+                        )
+                        self.link.observe_kv(rt.spec.id, usage)
+                    continue
+                next_check = time.monotonic() + interval
                 if (
                     rt.state is EngineState.READY
                     and rt.ready_since is not None
@@ -924,11 +956,16 @@ class Supervisor:
                 break
             await asyncio.sleep(0.1)
 
-    async def _stop_engine(self, rt: EngineRuntime) -> None:
+    async def _stop_engine(self, rt: EngineRuntime, reason: RestartReason | None = None) -> None:
         """Take an engine down: SIGTERM its tree, SIGKILL what stays, wait for its port."""
         if rt.state in (EngineState.STARTING, EngineState.READY, EngineState.DRAINING):
             rt.set_state(EngineState.STOPPING)
         timeout = 0.0 if self._fast_stop else self.config.engine.stop_timeout_s
+        if reason in (RestartReason.HUNG, RestartReason.STARTUP_TIMEOUT):
+            # It has not answered for a while: it will not shut down gracefully either
+            # (a SIGSTOPped tree does not even see SIGTERM). Its requests are stuck until
+            # it dies and the gateway can fail them over, so kill it soon.
+            timeout = min(timeout, UNRESPONSIVE_GRACE_S)
         await self._kill_tree(rt, timeout)
         if rt.state is not EngineState.FAILED:
             rt.set_state(EngineState.EXITED)

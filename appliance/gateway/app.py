@@ -78,6 +78,9 @@ class Gateway:
     def observe_kv(self, engine_id: int, usage: float | None) -> None:
         self.admission.observe_kv(engine_id, usage)
 
+    def kv_tripped(self, engine_id: int) -> bool:
+        return self.admission.kv_tripped.get(engine_id, False)
+
     def set_throttle(self, engine_id: int, level: int) -> None:
         if self.admission.throttle_level.get(engine_id, 0) != level:
             self.admission.throttle_level[engine_id] = level

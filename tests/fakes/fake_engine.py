@@ -241,6 +241,7 @@ class FakeEngine:
         self.token_delay_ms = args.token_delay_ms
         self.first_token_delay_ms = args.first_token_delay_ms
         self.kv_cache_usage: float | None = args.kv_cache_usage
+        self.health_checks = 0  # GET /health answered
         self.preemptions_per_request = args.preemptions_per_request
         self.fail_requests = bool(args.fail_requests)
         self.slots = asyncio.Semaphore(max(1, args.max_num_seqs))
@@ -330,6 +331,7 @@ class FakeEngine:
     # ------------------------------------------------------------------ plain routes
 
     async def health(self, request: web.Request) -> web.Response:
+        self.health_checks += 1
         if self.health_delay_s > 0:
             await asyncio.sleep(self.health_delay_s)
         return web.Response(status=self.health_status)
@@ -498,6 +500,7 @@ class FakeEngine:
             "waiting": self.waiting,
             "requests": self.requests,
             "requests_by_route": dict(self.requests_by_route),
+            "health_checks": self.health_checks,
             "aborts": self.aborts,
             "failed": self.failed,
             "preemptions": self.preemptions,

@@ -304,3 +304,57 @@ def test_sustained_heat_restarts_with_half_the_batched_tokens_then_restores(
         engine0 = status(app, key)["engines"][0]
         assert engine0["restarts_by_reason"] == {"heat": 2}
         assert "at the hard limit for" in app.log() and "restoring" in app.log()
+
+
+def test_kv_pressure_breaker_sheds_then_reopens_without_waiting_for_a_health_check(
+    tmp_path: Path,
+) -> None:
+    """An engine above 92 % KV gets nothing new; once below 85 % it is back in service
+    from a quick KV read, not at the next full health check (``health.interval_s``)."""
+    cfg = fake_engine_config(
+        tmp_path,
+        2,
+        "--kv-cache-usage",
+        "0.97",
+        health={"interval_s": 8, "probe_timeout_s": 2, "failures_to_restart": 2},
+    )
+    with run_appliance(tmp_path, cfg) as app:
+        app.wait_ready()
+        app.engine_control(1, kv_cache_usage=0.3)
+        key = (tmp_path / "admin.key").read_text().strip()
+        client = openai.OpenAI(base_url=app.url + "/v1", api_key=key, max_retries=0)
+
+        def breaker(i: int) -> bool:
+            return bool(status(app, key)["engines"][i]["kv_breaker_open"])
+
+        app.wait_for(lambda: breaker(0), 20, "engine 0's KV breaker open at a health check")
+        assert not breaker(1)
+        assert metric(app, key, 'appliance_engine_kv_breaker_open{engine="0"}') == 1
+
+        def chats() -> list[int]:
+            return [
+                app.engine_stats(i)["requests_by_route"].get("/v1/chat/completions", 0)  # type: ignore[index]
+                for i in range(2)
+            ]
+
+        before = chats()
+        for _ in range(8):
+            r = client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4
+            )
+            assert r.choices[0].message.content
+        after = chats()
+        assert after[0] == before[0]  # nothing new for the engine under KV pressure
+        assert after[1] - before[1] == 8
+
+        # Pressure falls (below 0.85): back in service with no full health check between.
+        checks = app.engine_stats(0)["health_checks"]  # type: ignore[index]
+        app.engine_control(0, kv_cache_usage=0.5)
+        app.wait_for(lambda: not breaker(0), 20, "engine 0's KV breaker closed")
+        assert app.engine_stats(0)["health_checks"] == checks  # type: ignore[index]
+        before = chats()
+        for _ in range(12):
+            client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4
+            )
+        assert chats()[0] > before[0]  # it serves again

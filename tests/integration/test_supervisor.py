@@ -18,6 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from appliance.engine import cpu_core_sets
 from tests.fakes.appliance_proc import (
     alive,
     fake_engine_config,
@@ -63,8 +64,32 @@ def test_sigkill_of_api_server_removes_orphan_and_restarts(tmp_path: Path) -> No
         assert get_json(app.url + "/readyz")[0] == 200
 
 
+def test_cpu_engine_trees_are_pinned_to_their_own_cores(tmp_path: Path) -> None:
+    """Each CPU engine, and the children it starts, runs only on its share of the cores."""
+    cfg = fake_engine_config(tmp_path, 2, "--spawn-child")
+    with run_appliance(tmp_path, cfg) as app:
+        app.wait_ready()
+        expect = cpu_core_sets(sorted(os.sched_getaffinity(0)), 2)
+        for i in range(2):
+            stats = app.engine_stats(i)
+            assert stats is not None
+            for pid in (stats["pid"], stats["child_pid"]):
+                assert tuple(sorted(os.sched_getaffinity(pid))) == expect[i], (i, pid)
+        # Restarted engines are pinned again.
+        old = app.engine_stats(1)["pid"]  # type: ignore[index]
+        os.kill(old, signal.SIGKILL)
+        app.wait_for(
+            lambda: (s := app.engine_stats(1)) is not None and s["pid"] != old,
+            20,
+            "engine1 replaced",
+        )
+        new = app.engine_stats(1)["pid"]  # type: ignore[index]
+        assert tuple(sorted(os.sched_getaffinity(new))) == expect[1]
+
+
 def test_sigstopped_engine_is_detected_and_replaced(tmp_path: Path) -> None:
-    cfg = fake_engine_config(tmp_path, 1)
+    # A long stop_timeout_s: a hung engine must not get it (it cannot act on SIGTERM).
+    cfg = fake_engine_config(tmp_path, 1, engine={"stop_timeout_s": 120})
     with run_appliance(tmp_path, cfg) as app:
         app.wait_ready()
         stopped = app.engine_stats(0)["pid"]  # type: ignore[index]
@@ -79,6 +104,7 @@ def test_sigstopped_engine_is_detected_and_replaced(tmp_path: Path) -> None:
             if alive({stopped}):
                 os.kill(stopped, signal.SIGCONT)
         assert "hung" in app.log()
+        assert "ignored SIGTERM for 2 s; sending SIGKILL" in app.log()
         assert not alive({stopped})
 
 

@@ -267,3 +267,46 @@ def test_plan_is_pure_given_its_inputs(home: Path) -> None:
     p = plan_engines(cfg, gpu_count=0, cores=[0, 1], home=home, base_env=BASE_ENV)
     assert p.device == "cpu"
     assert child_environment(SUPERVISOR_ENV) == BASE_ENV  # not modified
+
+
+@pytest.mark.parametrize(
+    ("engine", "gpus", "cores", "expect"),
+    [
+        ({"cpu_engines": 2}, 0, [0, 1, 2, 3], [(0, 1), (2, 3)]),
+        ({"cpu_engines": 2}, 0, [0, 1], [(0,), (1,)]),
+        ({"cpu_engines": 3}, 0, [0, 1], [(0,), (1,), (0,)]),
+        # No cores known: nothing to pin to.
+        ({"cpu_engines": 2}, 0, [], [None, None]),
+        # GPU engines are not pinned.
+        ({}, 2, [0, 1, 2, 3], [None, None]),
+        # The admin's own OpenMP binding wins: no pinning that could contradict it.
+        (
+            {"cpu_engines": 2, "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}},
+            0,
+            [0, 1],
+            [None, None],
+        ),
+    ],
+)
+def test_cpu_engines_are_pinned_to_their_own_cores(
+    home: Path,
+    engine: dict[str, Any],
+    gpus: int,
+    cores: list[int],
+    expect: list[tuple[int, ...] | None],
+) -> None:
+    p = plan({"engine": engine}, home, gpus=gpus, cores=cores)
+    assert [s.cpus for s in p.specs] == expect
+    for spec in p.specs:
+        if spec.cpus:
+            # The pinned cores and vLLM's OpenMP binding name the same cores.
+            assert expand(spec.env["VLLM_CPU_OMP_THREADS_BIND"]) == spec.cpus
+
+
+def expand(bind: str) -> tuple[int, ...]:
+    """ "0-1,4" -> (0, 1, 4)"""
+    out: list[int] = []
+    for part in bind.split(","):
+        lo, _, hi = part.partition("-")
+        out += range(int(lo), int(hi or lo) + 1)
+    return tuple(out)

@@ -1,0 +1,190 @@
+"""Gateway cost on real vLLM: one CPU engine, straight to it vs through the gateway.
+
+One daemon with ONE real vLLM engine on CPU (every usable core). The engine's per-boot
+key is read from the API server's environment (``VLLM_API_KEY``), so the "direct"
+rounds hit the very engine the gateway relays to. Rounds alternate direct / gateway
+(order flipped every round) at each concurrency; each round is a closed loop of N
+streams of ``--tokens`` tokens (``ignore_eos``) for a fixed time. Per concurrency it
+reports tokens/s of both paths and their ratio, and TTFT p50/p99 of both.
+
+On this machine the engine, the gateway and the client share two cores, so every CPU
+cycle the gateway spends is one the engine does not get: the ratio is a worst case for
+a GPU box, where the engine's work is on the GPU.
+
+    .venv/bin/python -m bench.real_throughput [--levels 1,4,16] [--rounds 3] [--round-s 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import secrets
+import shutil
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from appliance import paths
+from bench._common import (
+    Daemon,
+    Result,
+    Table,
+    client_session,
+    closed_loop,
+    header,
+    module_argv,
+    ms,
+    pct,
+    request,
+    wait_for_quiet,
+)
+from tests.fakes.appliance_proc import _free_port_run, free_port, run_appliance
+
+PATHS = ("direct", "gateway")
+MODEL = paths.PACKAGED_MODEL_NAME
+
+
+@contextlib.contextmanager
+def real_daemon() -> Iterator[Daemon]:
+    home = paths.appliance_home()
+    if not paths.engine_python(home).exists():
+        raise SystemExit(f"no engine venv under {home}: run scripts/setup first")
+    tmp = Path(tempfile.mkdtemp(prefix="llm-appliance-bench-real-"))
+    cfg: dict[str, dict[str, Any]] = {
+        "gateway": {"port": free_port(), "keys_file": str(tmp / "keys.json")},
+        "engine": {
+            "device": "cpu",
+            "cpu_engines": 1,
+            "port_base": _free_port_run(1),
+            "max_model_len": 1024,
+            "startup_timeout_s": 300,
+            "cpu_kvcache_space_gib": 1,
+        },
+        "telemetry": {"source": "none"},
+        "health": {"interval_s": 5, "probe_timeout_s": 30, "failures_to_restart": 5},
+    }
+    try:
+        with run_appliance(tmp, cfg, env={"LLM_APPLIANCE_HOME": str(home)}) as app:
+            app.wait_ready(timeout=300)
+            d = Daemon(app, tmp, (tmp / "admin.key").read_text().strip())
+            d.wait_engines_ready(timeout=300)
+            yield d
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def engine_key(pid: int) -> str:
+    return str(psutil.Process(pid).environ()["VLLM_API_KEY"])
+
+
+def body(tokens: int, n: int) -> bytes:
+    return json.dumps(
+        {
+            "model": MODEL,
+            # Distinct prompts: no prefix-cache hit makes one path look faster.
+            "prompt": f"{secrets.token_hex(4)} Write a story about a lighthouse keeper.",
+            "max_tokens": tokens,
+            "stream": True,
+            "ignore_eos": True,
+        }
+    ).encode()
+
+
+async def run(args: argparse.Namespace, d: Daemon) -> dict[tuple[int, str], list[Any]]:
+    url, key = d.engine_url(0), engine_key(d.engine_pid(0))
+    acc: dict[tuple[int, str], list[Any]] = defaultdict(lambda: [[], 0.0])
+    async with client_session() as s:
+
+        def one(path: str) -> Any:
+            base, k = (url, key) if path == "direct" else (d.url, d.admin_key)
+            return lambda w: request(s, base, k, body(args.tokens, w), True)
+
+        for path in PATHS:  # warm-up: connections open, engine warm
+            await closed_loop(max(args.levels), 3.0, one(path))
+        for c in args.levels:
+            for r in range(args.rounds):
+                for path in PATHS if r % 2 == 0 else PATHS[::-1]:
+                    results, elapsed = await closed_loop(c, args.round_s, one(path))
+                    acc[(c, path)][0] += results
+                    acc[(c, path)][1] += elapsed
+            print(f"  {c} streams done", flush=True)
+    return acc
+
+
+def report(args: argparse.Namespace, quiet: Any, acc: dict[tuple[int, str], list[Any]]) -> str:
+    t = Table(
+        [
+            "streams",
+            "requests direct / gw",
+            "failed",
+            "tokens/s direct",
+            "tokens/s gw",
+            "ratio gw/direct",
+            "TTFT p50 direct / gw (ms)",
+            "TTFT p99 direct / gw (ms)",
+        ]
+    )
+    figures: dict[str, Any] = {}
+    for c in args.levels:
+        rows = {}
+        for path in PATHS:
+            results, elapsed = acc[(c, path)]
+            ok: list[Result] = [r for r in results if r.ok]
+            # Events minus the final chunk and [DONE]: one event per token.
+            tokens = sum(max(0, r.events - 2) for r in ok)
+            rows[path] = (results, ok, tokens / elapsed if elapsed else float("nan"))
+        (dres, dok, drate), (gres, gok, grate) = rows["direct"], rows["gateway"]
+        ratio = grate / drate if drate else float("nan")
+        dt, gt = [r.ttft for r in dok], [r.ttft for r in gok]
+        t.add(
+            c,
+            f"{len(dres)} / {len(gres)}",
+            f"{len(dres) - len(dok)} / {len(gres) - len(gok)}",
+            f"{drate:.1f}",
+            f"{grate:.1f}",
+            f"{ratio:.3f}",
+            f"{ms(pct(dt, 50))} / {ms(pct(gt, 50))}",
+            f"{ms(pct(dt, 99))} / {ms(pct(gt, 99))}",
+        )
+        figures[str(c)] = {"ratio": round(ratio, 4), "tok_s": [round(drate, 1), round(grate, 1)]}
+    out = [header("Gateway cost on real vLLM (CPU)", module_argv("bench.real_throughput"), quiet)]
+    out.append(
+        f"- load: 1 real vLLM engine (SmolLM2-135M, --enforce-eager, all cores), "
+        f"{args.tokens}-token streams with ignore_eos on /v1/completions; closed loop; "
+        f"{args.rounds} rounds × {args.round_s:g} s per path per concurrency, "
+        f"direct/gateway alternating\n"
+    )
+    out.append(t.markdown() + "\n")
+    if args.json:
+        Path(args.json).write_text(json.dumps(figures, indent=2))
+    return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--levels", default="1,4,16", help="concurrent streams, comma-separated")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds per path per concurrency")
+    ap.add_argument("--round-s", type=float, default=10.0, help="seconds per round")
+    ap.add_argument("--tokens", type=int, default=64, help="tokens per stream")
+    ap.add_argument("--no-wait", action="store_true", help="do not wait for a quiet machine")
+    ap.add_argument("--json", default="", help="also write the figures to this file")
+    args = ap.parse_args()
+    args.levels = [int(x) for x in args.levels.split(",")]
+    quiet = wait_for_quiet(0 if args.no_wait else 600)
+    started = time.monotonic()
+    with real_daemon() as d:
+        print(f"engine READY after {time.monotonic() - started:.0f} s", flush=True)
+        # No quiet.start_watching(): it counts vLLM processes, and this run's engine is one.
+        acc = asyncio.run(run(args, d))
+    print(report(args, quiet, acc))
+
+
+if __name__ == "__main__":
+    main()
