@@ -125,7 +125,9 @@ class EngineConfig:
     )
     cpu_engines: int = _f(
         1,
-        "With device = cpu: how many engines; the cores are split between them.",
+        "With device = cpu: how many engines; the cores are split between them, and "
+        "each engine's processes are pinned to its share (unless engine.env sets "
+        "VLLM_CPU_OMP_THREADS_BIND).",
         lo=1,
         hi=MAX_GPUS,
     )
