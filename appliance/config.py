@@ -210,7 +210,11 @@ class ThermalConfig:
 class HealthConfig:
     interval_s: float = _f(2.0, "How often each engine is checked.", lo=0.05, hi=3600)
     probe_timeout_s: float = _f(
-        10.0, "A real 1-token completion must answer within this.", lo=0.05, hi=3600
+        10.0,
+        "A real 1-token completion must answer within this (`/health` and `/metrics` "
+        "get at most 5 s of it: they do no inference).",
+        lo=0.05,
+        hi=3600,
     )
     failures_to_restart: int = _f(
         3,

@@ -16,6 +16,7 @@ pure; :func:`observe` does the I/O.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import time
 from collections.abc import Collection
@@ -25,6 +26,9 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 PROBE_PROMPT = "Hi"
+# /health and /metrics answer at once from a live API server (no inference): a few
+# seconds without an answer means frozen, whatever health.probe_timeout_s allows the probe.
+STATUS_TIMEOUT_S = 5.0
 ENGINE_METRICS = frozenset(
     {
         "vllm:generation_tokens_total",
@@ -96,7 +100,7 @@ async def read_kv_usage(
 ) -> float | None:
     """The engine's ``vllm:kv_cache_usage_perc`` (0..1), or None when it cannot be read."""
     try:
-        timeout = aiohttp.ClientTimeout(total=timeout_s)
+        timeout = aiohttp.ClientTimeout(total=min(timeout_s, STATUS_TIMEOUT_S))
         async with session.get(f"{base_url}/metrics", timeout=timeout) as resp:
             if resp.status != 200:
                 return None
@@ -109,24 +113,38 @@ async def read_kv_usage(
 async def observe(
     session: aiohttp.ClientSession, base_url: str, api_key: str, model: str, timeout_s: float
 ) -> Observation:
-    """Run layers 2-4 against one engine, each bounded by ``timeout_s``."""
+    """Run layers 2-4 against one engine.
+
+    ``/health`` and ``/metrics`` are read at the same time, each bounded by
+    :data:`STATUS_TIMEOUT_S` (at most ``timeout_s``): they do no inference, and a
+    frozen engine must not cost a whole probe timeout per route per check, while
+    requests routed to it wait. Only the 1-token probe gets all of ``timeout_s``.
+    """
     detail: list[str] = []
-    health_ok = probe_ok = False
-    sums: dict[str, float] = {}
+    probe_ok = False
+    quick = aiohttp.ClientTimeout(total=min(timeout_s, STATUS_TIMEOUT_S))
     timeout = aiohttp.ClientTimeout(total=timeout_s)
-    try:
-        async with session.get(f"{base_url}/health", timeout=timeout) as resp:
-            health_ok = resp.status == 200
-            if not health_ok:
-                detail.append(f"/health answered {resp.status}")
-    except (TimeoutError, aiohttp.ClientError) as exc:
-        detail.append(f"/health: {type(exc).__name__}")
-    try:
-        async with session.get(f"{base_url}/metrics", timeout=timeout) as resp:
-            if resp.status == 200:
-                sums = metric_sums(await resp.text(), ENGINE_METRICS)
-    except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
-        detail.append(f"/metrics: {type(exc).__name__}")
+
+    async def health() -> bool:
+        try:
+            async with session.get(f"{base_url}/health", timeout=quick) as resp:
+                if resp.status != 200:
+                    detail.append(f"/health answered {resp.status}")
+                return resp.status == 200
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            detail.append(f"/health: {type(exc).__name__}")
+            return False
+
+    async def metrics() -> dict[str, float]:
+        try:
+            async with session.get(f"{base_url}/metrics", timeout=quick) as resp:
+                if resp.status == 200:
+                    return metric_sums(await resp.text(), ENGINE_METRICS)
+        except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
+            detail.append(f"/metrics: {type(exc).__name__}")
+        return {}
+
+    health_ok, sums = await asyncio.gather(health(), metrics())
     if health_ok:
         started = time.monotonic()
         try:

@@ -45,7 +45,7 @@ from bench._common import (
     request,
     wait_for_quiet,
 )
-from tests.fakes.appliance_proc import _free_port_run, free_port, run_appliance
+from tests.fakes.appliance_proc import real_engine_config, run_appliance
 
 PATHS = ("direct", "gateway")
 MODEL = paths.PACKAGED_MODEL_NAME
@@ -57,19 +57,9 @@ def real_daemon() -> Iterator[Daemon]:
     if not paths.engine_python(home).exists():
         raise SystemExit(f"no engine venv under {home}: run scripts/setup first")
     tmp = Path(tempfile.mkdtemp(prefix="llm-appliance-bench-real-"))
-    cfg: dict[str, dict[str, Any]] = {
-        "gateway": {"port": free_port(), "keys_file": str(tmp / "keys.json")},
-        "engine": {
-            "device": "cpu",
-            "cpu_engines": 1,
-            "port_base": _free_port_run(1),
-            "max_model_len": 1024,
-            "startup_timeout_s": 300,
-            "cpu_kvcache_space_gib": 1,
-        },
-        "telemetry": {"source": "none"},
-        "health": {"interval_s": 5, "probe_timeout_s": 30, "failures_to_restart": 5},
-    }
+    cfg = real_engine_config(
+        tmp, 1, health={"interval_s": 5, "probe_timeout_s": 30, "failures_to_restart": 5}
+    )
     try:
         with run_appliance(tmp, cfg, env={"LLM_APPLIANCE_HOME": str(home)}) as app:
             app.wait_ready(timeout=300)

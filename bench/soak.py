@@ -47,10 +47,9 @@ from appliance import paths
 from tests.fakes.appliance_proc import (
     REPO,
     Appliance,
-    _free_port_run,
     fake_engine_config,
-    free_port,
     get_json,
+    real_engine_config,
     run_appliance,
 )
 
@@ -279,25 +278,13 @@ def config_for(kind: str, tmp: Path, sensors: Path) -> dict[str, dict[str, Any]]
             **common,
         )
         return cfg
-    return {
-        "gateway": {
-            "port": free_port(),
-            "keys_file": str(tmp / "keys.json"),
-            "max_queue": 32,
-            "queue_timeout_s": 60,
-        },
-        "engine": {
-            "device": "cpu",
-            "cpu_engines": 2,
-            "port_base": _free_port_run(2),
-            "max_model_len": 1024,
-            "startup_timeout_s": 300,
-            "max_inflight": 8,
-            "cpu_kvcache_space_gib": 1,
-        },
-        "health": {"interval_s": 2, "probe_timeout_s": 20, "failures_to_restart": 3},
+    return real_engine_config(
+        tmp,
+        2,
+        gateway={"max_queue": 32, "queue_timeout_s": 60},
+        engine={"max_inflight": 8},
         **common,
-    }
+    )
 
 
 def create_key(cfg_path: Path, name: str, priority: str) -> str:
@@ -436,7 +423,8 @@ async def soak(args: argparse.Namespace) -> int:
         "duration_s": args.duration,
         "concurrency": args.concurrency,
         "sent": sum(tally.classes.values()),
-        **dict(tally.classes),
+        # Every class, zero included: a report must say "lost: 0", not leave it out.
+        **{c: tally.classes[c] for c in ("ok", "refused", "disconnected", "lost")},
         "reasons": dict(tally.reasons),
         "lost_examples": tally.lost_examples,
         "ok_latency_p50_s": round(percentile(tally.latencies, 0.5), 3),

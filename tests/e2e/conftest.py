@@ -26,9 +26,8 @@ import pytest
 from appliance import paths
 from tests.fakes.appliance_proc import (
     Appliance,
-    _free_port_run,
-    free_port,
     get_json,
+    real_engine_config,
     run_appliance,
 )
 
@@ -170,20 +169,7 @@ def appliance(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealApplianc
     if reason is not None:
         pytest.skip(reason)
     tmp = tmp_path_factory.mktemp("e2e")
-    cfg: dict[str, dict[str, Any]] = {
-        "gateway": {"port": free_port(), "keys_file": str(tmp / "keys.json")},
-        "engine": {
-            "device": "cpu",
-            "cpu_engines": 2,
-            "port_base": _free_port_run(2),
-            "max_model_len": 1024,
-            "startup_timeout_s": 300,
-            "cpu_kvcache_space_gib": 1,
-        },
-        "telemetry": {"source": "none"},
-        # CPU engines under load are slow to answer the 1-token probe.
-        "health": {"interval_s": 2, "probe_timeout_s": 20, "failures_to_restart": 3},
-    }
+    cfg = real_engine_config(tmp, 2)
     marker = secrets.token_hex(8)
     groups: set[int] = set()
     env = {"LLM_APPLIANCE_HOME": str(real_home()), RUN_MARKER: marker}

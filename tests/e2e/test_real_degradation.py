@@ -15,7 +15,6 @@ import threading
 import time
 import urllib.request
 from collections.abc import Iterator
-from typing import Any
 
 import openai
 import pytest
@@ -29,7 +28,7 @@ from tests.e2e.conftest import (
     missing_setup,
     real_home,
 )
-from tests.fakes.appliance_proc import _free_port_run, free_port, run_appliance
+from tests.fakes.appliance_proc import real_engine_config, run_appliance
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 MODEL = paths.PACKAGED_MODEL_NAME
@@ -41,29 +40,24 @@ def tiny_kv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealAppliance]
     if reason is not None:
         pytest.skip(reason)
     tmp = tmp_path_factory.mktemp("e2e-degradation")
-    cfg: dict[str, dict[str, Any]] = {
-        "gateway": {"port": free_port(), "keys_file": str(tmp / "keys.json")},
-        "engine": {
-            "device": "cpu",
-            "cpu_engines": 2,
-            "port_base": _free_port_run(2),
+    cfg = real_engine_config(
+        tmp,
+        2,
+        engine={
             "max_model_len": 768,
-            "startup_timeout_s": 300,
-            "cpu_kvcache_space_gib": 1,
             # 8 blocks of 128 tokens: eight 400-token generations cannot all fit.
             "extra_args": ["--num-gpu-blocks-override", "8"],
         },
-        "telemetry": {"source": "none"},
-        "health": {"interval_s": 2, "probe_timeout_s": 30, "failures_to_restart": 5},
-        "degradation": {
+        health={"interval_s": 2, "probe_timeout_s": 30, "failures_to_restart": 5},
+        degradation={
             "window_s": 20,
             "max_preemptions_per_min": 6,
             "hang_s": 20,
             "leak_hold_s": 20,
             "baseline_warmup_s": 0,
         },
-        "restart": {"drain_timeout_s": 120},
-    }
+        restart={"drain_timeout_s": 120},
+    )
     marker = secrets.token_hex(8)
     groups: set[int] = set()
     env = {"LLM_APPLIANCE_HOME": str(real_home()), RUN_MARKER: marker}

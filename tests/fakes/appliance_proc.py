@@ -89,6 +89,33 @@ def fake_engine_config(
     return cfg
 
 
+def real_engine_config(
+    tmp: Path, engines: int = 2, **overrides: dict[str, Any]
+) -> dict[str, dict[str, Any]]:
+    """A config with ``engines`` real vLLM engines on CPU (what set-up made), on free ports.
+
+    Nothing sets ``engine.command``: the real vLLM command line is what runs. Sections in
+    ``overrides`` are merged key by key into the defaults.
+    """
+    cfg: dict[str, dict[str, Any]] = {
+        "gateway": {"port": free_port(), "keys_file": str(tmp / "keys.json")},
+        "engine": {
+            "device": "cpu",
+            "cpu_engines": engines,
+            "port_base": _free_port_run(engines),
+            "max_model_len": 1024,
+            "startup_timeout_s": 300,
+            "cpu_kvcache_space_gib": 1,
+        },
+        "telemetry": {"source": "none"},
+        # CPU engines under load are slow to answer the 1-token probe.
+        "health": {"interval_s": 2, "probe_timeout_s": 20, "failures_to_restart": 3},
+    }
+    for section, values in overrides.items():
+        cfg.setdefault(section, {}).update(values)
+    return cfg
+
+
 def _free_port_run(n: int) -> int:
     """The first of n consecutive free ports (engines use port_base + i)."""
     for _ in range(50):

@@ -37,7 +37,7 @@ from tests.fakes.appliance_proc import Appliance, fake_engine_config, get_json, 
 
 pytestmark = pytest.mark.slow
 
-EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "2000"))
+EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "10000"))
 MAX_BODY = 8192
 CAP = 8
 ROUTES: dict[str, frozenset[str]] = {

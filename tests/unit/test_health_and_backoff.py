@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
-import pytest
+import asyncio
+import time
+from typing import Any
 
+import aiohttp
+import pytest
+from aiohttp import web
+
+from appliance import health
 from appliance.health import HealthHistory, Observation, Verdict, assess, metric_sums
 from appliance.supervisor import backoff_delay, restart_allowed
 
@@ -287,3 +294,81 @@ def test_restart_budget_frees_up_as_the_window_slides() -> None:
     assert not restart_allowed(times, 3599.0, 3)
     assert restart_allowed(times, 3600.0, 3)  # the restart at 0 has left the window
     assert not restart_allowed([*times, 3600.0], 3600.0, 3)
+
+
+# ---------------------------------------------------------------------------- observe()
+
+
+async def _engine(routes: dict[str, Any]) -> tuple[web.AppRunner, str]:
+    app = web.Application()
+    for path, handler in routes.items():
+        method, _, route = path.partition(" ")
+        app.router.add_route(method, route, handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    return runner, f"http://127.0.0.1:{port}"
+
+
+async def test_frozen_engine_costs_the_status_timeout_not_the_probe_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """/health and /metrics of a frozen engine are given up on after STATUS_TIMEOUT_S,
+    together, and no probe is sent: not probe_timeout_s per route."""
+    monkeypatch.setattr(health, "STATUS_TIMEOUT_S", 0.3)
+    seen: list[str] = []
+    thaw = asyncio.Event()
+
+    async def frozen(request: web.Request) -> web.Response:
+        seen.append(request.path)
+        await asyncio.wait_for(thaw.wait(), 60)
+        return web.Response()
+
+    runner, url = await _engine(
+        {"GET /health": frozen, "GET /metrics": frozen, "POST /v1/completions": frozen}
+    )
+    try:
+        async with aiohttp.ClientSession() as s:
+            started = time.monotonic()
+            obs = await health.observe(s, url, "k", "m", timeout_s=30.0)
+            took = time.monotonic() - started
+    finally:
+        thaw.set()
+        await runner.cleanup()
+    assert not obs.health_ok and not obs.probe_ok
+    assert "/health: TimeoutError" in obs.detail and "/metrics: TimeoutError" in obs.detail
+    assert sorted(seen) == ["/health", "/metrics"]  # no probe to an engine that is not there
+    assert took < 10.0  # far below the 30 s probe timeout, let alone 60 s for both routes
+
+
+async def test_healthy_engine_observed_with_probe_and_metrics() -> None:
+    async def ok(request: web.Request) -> web.Response:
+        return web.Response(text="")
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(
+            text=VLLM_METRICS
+            + "# TYPE vllm:kv_cache_usage_perc gauge\n"
+            + 'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.42\n'
+        )
+
+    async def completions(request: web.Request) -> web.Response:
+        body = await request.json()
+        assert body["max_tokens"] == 1
+        assert request.headers["Authorization"] == "Bearer k"
+        return web.json_response({"choices": [{"text": "!"}]})
+
+    runner, url = await _engine(
+        {"GET /health": ok, "GET /metrics": metrics, "POST /v1/completions": completions}
+    )
+    try:
+        async with aiohttp.ClientSession() as s:
+            obs = await health.observe(s, url, "k", "m", timeout_s=5.0)
+            kv = await health.read_kv_usage(s, url, 5.0)
+    finally:
+        await runner.cleanup()
+    assert obs.health_ok and obs.probe_ok and obs.detail == ""
+    assert obs.generation_tokens is not None
+    assert kv == obs.kv_cache_usage == 0.42
