@@ -138,9 +138,14 @@ def cpu_core_sets(cores: Sequence[int], engines: int) -> list[tuple[int, ...]]:
     return out
 
 
+def omp_bind(cores: Sequence[int]) -> str:
+    """A core set as a VLLM_CPU_OMP_THREADS_BIND value ("0-3", "4,6"; none: "all")."""
+    return _ranges(cores) if cores else "all"
+
+
 def cpu_core_split(cores: Sequence[int], engines: int) -> list[str]:
-    """:func:`cpu_core_sets` as VLLM_CPU_OMP_THREADS_BIND values ("0-3", "4,6", "all")."""
-    return [_ranges(s) if s else "all" for s in cpu_core_sets(cores, engines)]
+    """:func:`cpu_core_sets` as VLLM_CPU_OMP_THREADS_BIND values."""
+    return [omp_bind(s) for s in cpu_core_sets(cores, engines)]
 
 
 def _ranges(cores: Sequence[int]) -> str:

@@ -95,16 +95,26 @@ def metric_sums(text: str, names: Collection[str]) -> dict[str, float]:
     return out
 
 
+async def read_metrics(
+    session: aiohttp.ClientSession, base_url: str, timeout_s: float, names: Collection[str]
+) -> dict[str, float]:
+    """:func:`metric_sums` of the engine's ``/metrics`` ({} when it answers non-200).
+
+    Bounded by :data:`STATUS_TIMEOUT_S` at most. Raises TimeoutError, aiohttp.ClientError
+    or ValueError (not Prometheus text)."""
+    timeout = aiohttp.ClientTimeout(total=min(timeout_s, STATUS_TIMEOUT_S))
+    async with session.get(f"{base_url}/metrics", timeout=timeout) as resp:
+        if resp.status != 200:
+            return {}
+        return metric_sums(await resp.text(), names)
+
+
 async def read_kv_usage(
     session: aiohttp.ClientSession, base_url: str, timeout_s: float
 ) -> float | None:
     """The engine's ``vllm:kv_cache_usage_perc`` (0..1), or None when it cannot be read."""
     try:
-        timeout = aiohttp.ClientTimeout(total=min(timeout_s, STATUS_TIMEOUT_S))
-        async with session.get(f"{base_url}/metrics", timeout=timeout) as resp:
-            if resp.status != 200:
-                return None
-            sums = metric_sums(await resp.text(), ("vllm:kv_cache_usage_perc",))
+        sums = await read_metrics(session, base_url, timeout_s, ("vllm:kv_cache_usage_perc",))
     except (TimeoutError, aiohttp.ClientError, ValueError):
         return None
     return sums.get("vllm:kv_cache_usage_perc")
@@ -137,12 +147,10 @@ async def observe(
 
     async def metrics() -> dict[str, float]:
         try:
-            async with session.get(f"{base_url}/metrics", timeout=quick) as resp:
-                if resp.status == 200:
-                    return metric_sums(await resp.text(), ENGINE_METRICS)
+            return await read_metrics(session, base_url, timeout_s, ENGINE_METRICS)
         except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
             detail.append(f"/metrics: {type(exc).__name__}")
-        return {}
+            return {}
 
     health_ok, sums = await asyncio.gather(health(), metrics())
     if health_ok:

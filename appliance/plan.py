@@ -19,8 +19,8 @@ from appliance.engine import (
     build_argv,
     build_env,
     cpu_core_sets,
-    cpu_core_split,
     new_api_key,
+    omp_bind,
     served_name,
 )
 from appliance.errors import ConfigError, EngineSetupError
@@ -104,8 +104,8 @@ def plan_engines(
         core_sets: list[tuple[int, ...]] = [()] * len(gpus)
     else:
         gpus = [None] * e.cpu_engines
-        binds = list(cpu_core_split(cores, e.cpu_engines))
         core_sets = cpu_core_sets(cores, e.cpu_engines)
+        binds = [omp_bind(s) for s in core_sets]
     python, model = resolve_python_and_model(config, home)
     name = (
         served_name(config, model)
