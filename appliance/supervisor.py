@@ -96,6 +96,7 @@ class GatewayLink(Protocol):
     def kv_tripped(self, engine_id: int) -> bool: ...
     def set_throttle(self, engine_id: int, level: int) -> None: ...
     def engines_changed(self) -> None: ...
+    def abandon(self, engine_id: int, why: str) -> int: ...
     def stopping(self) -> None: ...
     def reload(self) -> None: ...
 
@@ -115,6 +116,9 @@ class _NoGateway:
 
     def engines_changed(self) -> None:
         pass
+
+    def abandon(self, engine_id: int, why: str) -> int:
+        return 0
 
     def stopping(self) -> None:
         pass
@@ -953,6 +957,8 @@ class Supervisor:
                     self.link.inflight(rt.spec.id),
                     self.config.restart.drain_timeout_s,
                 )
+                # Those not yet answering move to another engine now, not at the kill.
+                self.link.abandon(rt.spec.id, "the engine was restarted after draining")
                 break
             await asyncio.sleep(0.1)
 
@@ -963,9 +969,19 @@ class Supervisor:
         timeout = 0.0 if self._fast_stop else self.config.engine.stop_timeout_s
         if reason in (RestartReason.HUNG, RestartReason.STARTUP_TIMEOUT):
             # It has not answered for a while: it will not shut down gracefully either
-            # (a SIGSTOPped tree does not even see SIGTERM). Its requests are stuck until
-            # it dies and the gateway can fail them over, so kill it soon.
+            # (a SIGSTOPped tree does not even see SIGTERM), so kill it soon.
             timeout = min(timeout, UNRESPONSIVE_GRACE_S)
+        if reason is RestartReason.HUNG:
+            # Its requests would stay stuck until it dies: give them up now, so those
+            # with no byte sent yet are retried elsewhere at once.
+            moved = self.link.abandon(rt.spec.id, "the engine stopped answering")
+            if moved:
+                log.warning(
+                    "%s: gave up %d request(s) on the hung engine; those not yet "
+                    "answering are retried on another engine",
+                    rt.spec.name,
+                    moved,
+                )
         await self._kill_tree(rt, timeout)
         if rt.state is not EngineState.FAILED:
             rt.set_state(EngineState.EXITED)

@@ -89,6 +89,9 @@ class Gateway:
     def engines_changed(self) -> None:
         self.admission.kick()
 
+    def abandon(self, engine_id: int, why: str) -> int:
+        return self.relay.abandon(engine_id, why)
+
     def stopping(self) -> None:
         self.admission.fail_waiters("shutting_down", "the server is shutting down")
 

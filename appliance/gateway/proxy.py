@@ -11,16 +11,21 @@ Failure handling, by when it happens:
   retried once on another engine, so a crashing engine costs clients nothing;
 - after the first byte of a stream: the client gets one SSE error event and the stream
   ends (the ``openai`` client raises ``APIError``), never a silently truncated answer;
+- the supervisor declares the engine unresponsive (hung): :meth:`Relay.abandon` applies
+  the two rules above at once to every request on it, rather than when the process is
+  finally killed, so a request stuck on a frozen engine moves on at the verdict;
 - the client goes away: the handler is cancelled, which closes the upstream connection,
   which makes vLLM abort the generation.
 """
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
@@ -58,6 +63,17 @@ class ParsedRequest:
     stream: bool
     cost: int
     session: str | None
+
+
+@dataclass(eq=False, slots=True)
+class _Attempt:
+    """One request's try on one engine, so the engine can be abandoned mid-try."""
+
+    task: asyncio.Task[Any] | None
+    upstream: aiohttp.ClientResponse | None = None
+    abandoned: bool = False
+    # Set once the engine is given up on: why, for the retry log and the error.
+    why: str = field(default="")
 
 
 def _bad(message: str, param: str | None = None) -> GatewayError:
@@ -116,6 +132,26 @@ class Relay:
 
     def __init__(self, gateway: Gateway) -> None:
         self.gw = gateway
+        self._attempts: collections.defaultdict[int, set[_Attempt]] = collections.defaultdict(set)
+
+    def abandon(self, engine_id: int, why: str) -> int:
+        """Give up on every request on an engine that stopped answering; how many.
+
+        One still waiting for the engine's answer (no byte sent to its client yet) is
+        retried on another engine by the usual rule; a stream already under way ends with
+        an error event. Both happen now rather than when the engine's process dies, which
+        for a frozen engine is its stop grace later.
+        """
+        attempts = list(self._attempts.get(engine_id, ()))
+        for attempt in attempts:
+            attempt.abandoned = True
+            attempt.why = why
+            if attempt.upstream is not None:
+                # Pending reads raise ClientConnectionError: handled like a broken engine.
+                attempt.upstream.close()
+            elif attempt.task is not None:
+                attempt.task.cancel()  # still in session.post(): see _relay
+        return len(attempts)
 
     async def models(self, request: web.Request) -> web.Response:
         created = int(self.gw.supervisor.started_at)
@@ -219,6 +255,9 @@ class Relay:
         gw = self.gw
         snap = gw.supervisor.engines[engine_id].snapshot()
         headers = {"Authorization": f"Bearer {snap.api_key}", "Content-Type": "application/json"}
+        attempt = _Attempt(asyncio.current_task())
+        attempts = self._attempts[engine_id]
+        attempts.add(attempt)
         try:
             upstream = await gw.session.post(
                 snap.base_url + path,
@@ -227,7 +266,17 @@ class Relay:
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
             )
         except (aiohttp.ClientError, OSError) as exc:
+            attempts.discard(attempt)
             return f"{type(exc).__name__}"
+        except asyncio.CancelledError:
+            attempts.discard(attempt)
+            task = asyncio.current_task()
+            # Our own cancel from abandon() and nobody else's (a client that went away
+            # cancels too): then it is an engine failure before the first byte.
+            if attempt.abandoned and task is not None and task.uncancel() == 0:
+                return attempt.why
+            raise
+        attempt.upstream = upstream
         try:
             if upstream.status in RETRYABLE_STATUS:
                 return f"engine answered {upstream.status}"
@@ -242,8 +291,9 @@ class Relay:
                 return resp
             return await self._stream(request, upstream, parsed, started)
         except (TimeoutError, aiohttp.ClientError) as exc:
-            return f"{type(exc).__name__}"
+            return attempt.why or f"{type(exc).__name__}"
         finally:
+            attempts.discard(attempt)
             if upstream.content.at_eof():
                 upstream.release()  # keep the connection for the next request
             else:

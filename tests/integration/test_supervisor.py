@@ -108,6 +108,77 @@ def test_sigstopped_engine_is_detected_and_replaced(tmp_path: Path) -> None:
         assert not alive({stopped})
 
 
+def test_requests_stuck_on_a_frozen_engine_move_at_the_verdict_not_at_the_kill(
+    tmp_path: Path,
+) -> None:
+    """Work waiting on a SIGSTOPped engine is given up the moment it is declared hung.
+
+    Non-streamed answers not yet begun are retried on the other engine and succeed; a
+    stream already under way ends with an error event. Both happen before the frozen
+    tree's SIGTERM grace runs out (the kill), which is what the log order shows.
+    """
+    import threading
+
+    import openai
+
+    cfg = fake_engine_config(tmp_path, 2, "--token-delay-ms", "20", engine={"stop_timeout_s": 120})
+    with run_appliance(tmp_path, cfg) as app:
+        app.wait_ready()
+        key = (tmp_path / "admin.key").read_text().strip()
+        client = openai.OpenAI(base_url=app.url + "/v1", api_key=key, max_retries=0, timeout=60)
+        results: list[str] = []
+        lock = threading.Lock()
+
+        def ask(i: int) -> None:
+            try:
+                if i % 4 == 3:
+                    stream = client.completions.create(
+                        model="smollm2-135m-instruct", prompt="x", max_tokens=100, stream=True
+                    )
+                    n = sum(1 for _ in stream)
+                    out = f"stream ok {n}"
+                else:
+                    r = client.completions.create(
+                        model="smollm2-135m-instruct", prompt="x", max_tokens=100
+                    )
+                    out = "ok" if r.choices[0].text else "empty"
+            except openai.APIError as exc:
+                out = f"error {type(exc).__name__}: {exc}"
+            with lock:
+                results.append(out)
+
+        frozen = app.engine_stats(0)["pid"]  # type: ignore[index]
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(8)]
+        for th in threads:
+            th.start()
+        # 100 tokens × 20 ms: every request is still on its engine when engine 0 freezes.
+        app.wait_for(
+            lambda: (s := app.engine_stats(0)) is not None and s["running"] >= 2, 5, "work on e0"
+        )
+        os.kill(frozen, signal.SIGSTOP)
+        try:
+            for th in threads:
+                th.join(60)
+            app.wait_for(lambda: not alive({frozen}), 30, "frozen engine killed")
+        finally:
+            if alive({frozen}):
+                os.kill(frozen, signal.SIGCONT)
+        log = app.log()
+        assert len(results) == 8
+        # Every non-streamed request was answered (the stuck ones by engine 1) ...
+        plain = [r for r in results if not r.startswith(("stream", "error"))]
+        assert plain == ["ok"] * len(plain) and len(plain) >= 5, results
+        # ... a stream cut on the frozen engine got an error, never a silent truncation.
+        for r in results:
+            if r.startswith("stream ok "):
+                assert int(r.split()[-1]) >= 100, results  # whole, from engine 1
+            else:
+                assert r == "ok" or r.startswith("error APIError"), results
+        moved = log.index("the engine stopped answering); retrying on another engine")
+        assert "gave up" in log and "on the hung engine" in log
+        assert moved < log.index("ignored SIGTERM for 2 s; sending SIGKILL"), log[-3000:]
+
+
 def test_hung_engine_that_still_answers_health_is_replaced(tmp_path: Path) -> None:
     # vllm#39863: /health says 200 while no token ever comes back.
     cfg = fake_engine_config(tmp_path, 1)
