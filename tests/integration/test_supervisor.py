@@ -40,6 +40,7 @@ def test_ready_then_sigterm_leaves_no_engine_process(tmp_path: Path) -> None:
         assert app.wait_exit() == 0
         assert alive(pids) == set()
         assert "engine0: STOPPING -> EXITED" in app.log()
+        assert " on uvloop; " in app.log()  # the default loop where uvloop is installed
 
 
 def test_sigkill_of_api_server_removes_orphan_and_restarts(tmp_path: Path) -> None:
