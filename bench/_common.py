@@ -255,37 +255,10 @@ def daemon(
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-UVLOOP_SITECUSTOMIZE = """\
-# Written by bench._common.uvloop_env: the daemon runs on uvloop (an experiment; the
-# appliance itself uses asyncio's default loop).
-import asyncio
-
-import uvloop
-
-asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
-"""
-
-
-def uvloop_env(uvloop_path: str = "") -> dict[str, str]:
-    """Environment that makes a Python process (the daemon, and its fake engines) run
-    asyncio on uvloop, without touching the appliance's code: a ``sitecustomize`` that
-    installs uvloop's policy, found first on PYTHONPATH. ``uvloop_path``: a folder where
-    uvloop is installed (``pip install --target DIR uvloop``), when the venv lacks it."""
-    site = Path(tempfile.mkdtemp(prefix="bench-uvloop-"))
-    (site / "sitecustomize.py").write_text(UVLOOP_SITECUSTOMIZE)
-    paths = [str(site), *([uvloop_path] if uvloop_path else []), str(REPO)]
-    check = subprocess.run(
-        [sys.executable, "-c", "import asyncio, uvloop; print(type(asyncio.new_event_loop()))"],
-        env={**os.environ, "PYTHONPATH": ":".join(paths)},
-        capture_output=True,
-        text=True,
-    )
-    if "uvloop" not in check.stdout:
-        raise SystemExit(
-            "uvloop is not importable: pip install --target DIR uvloop, then pass "
-            f"--uvloop-path DIR ({check.stderr.strip()[-200:]})"
-        )
-    return {"PYTHONPATH": ":".join(paths)}
+def loop_env(loop: str) -> dict[str, str]:
+    """Environment that runs the daemon on ``loop`` (asyncio or uvloop): what an admin
+    sets (``LLM_APPLIANCE_EVENT_LOOP``); the appliance's default is uvloop."""
+    return {"LLM_APPLIANCE_EVENT_LOOP": loop}
 
 
 # ---------------------------------------------------------------------------- client

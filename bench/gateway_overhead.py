@@ -50,7 +50,7 @@ from bench._common import (
     ms,
     pct,
     request,
-    uvloop_env,
+    loop_env,
     wait_for_quiet,
 )
 from tests.fakes.appliance_proc import REPO
@@ -300,18 +300,17 @@ def main() -> None:
     ap.add_argument(
         "--daemon-loop",
         choices=("asyncio", "uvloop"),
-        default="asyncio",
-        help="uvloop: run the daemon (and its engine) on uvloop, an experiment for the "
-        "recommendation in docs/benchmarks.md; the appliance itself runs asyncio's loop",
+        default="uvloop",
+        help="the daemon's event loop (LLM_APPLIANCE_EVENT_LOOP); uvloop is the "
+        "appliance's default, asyncio its fallback",
     )
-    ap.add_argument("--uvloop-path", default="", help="folder uvloop is installed in (--target)")
     ap.add_argument("--no-wait", action="store_true", help="do not wait for a quiet machine")
     ap.add_argument("--json", default="", help="also write the figures to this file")
     args = ap.parse_args()
     args.levels = [int(x) for x in args.levels.split(",")]
     args.profile_levels = [int(x) for x in args.profile_levels.split(",") if x]
     kv = [] if args.kv_cache_usage == "derived" else ["--kv-cache-usage", args.kv_cache_usage]
-    env = uvloop_env(args.uvloop_path) if args.daemon_loop == "uvloop" else None
+    env = loop_env(args.daemon_loop)
     quiet = wait_for_quiet(0 if args.no_wait else 600)
     quiet.start_watching()
     t0 = time.monotonic()
@@ -323,7 +322,6 @@ def main() -> None:
         engine={
             "max_inflight": 4 * top,
             "max_inflight_tokens": 10**8,
-            # The engine keeps asyncio's loop whatever --daemon-loop says.
             "env": {"PYTHONPATH": str(REPO)},
         },
         gateway={"max_queue": 8 * top},

@@ -268,6 +268,50 @@ def test_admin_drain_resume_and_restart(tmp_path: Path) -> None:
         assert post("/admin/engines/0/resume")[0] == 409
 
 
+def test_work_left_when_draining_times_out_moves_to_the_other_engine(tmp_path: Path) -> None:
+    """A planned restart whose drain runs out gives up what is left before stopping.
+
+    The non-streamed request still waiting on engine 0 is retried on engine 1 and is
+    answered in full; the client never learns engine 0 went away.
+    """
+    # 150 tokens × 40 ms = 6 s: longer than the 1 s drain.
+    cfg = fake_engine_config(tmp_path, 2, "--token-delay-ms", "40", restart={"drain_timeout_s": 1})
+    with run_appliance(tmp_path, cfg) as app:
+        app.wait_ready()
+        key = (tmp_path / "admin.key").read_text().strip()
+        client = openai.OpenAI(base_url=app.url + "/v1", api_key=key, max_retries=0, timeout=30)
+        answers: list[Any] = []
+
+        def ask() -> None:
+            answers.append(
+                client.completions.create(model=MODEL, prompt="x", max_tokens=150).choices[0]
+            )
+
+        # Two at once: the router spreads them, so one is on engine 0.
+        threads = [threading.Thread(target=ask) for _ in range(2)]
+        for th in threads:
+            th.start()
+        app.wait_for(
+            lambda: (s := app.engine_stats(0)) is not None and s["running"] >= 1, 5, "work on e0"
+        )
+        import urllib.request
+
+        req = urllib.request.Request(
+            app.url + "/admin/engines/0/restart",
+            data=b"",
+            headers={"Authorization": f"Bearer {key}"},
+            method="POST",
+        )
+        assert urllib.request.urlopen(req, timeout=5).status == 202
+        for th in threads:
+            th.join(30)
+        assert [a.finish_reason for a in answers] == ["length", "length"]
+        assert all(len(a.text.split()) == 150 for a in answers), answers
+        log = app.log()
+        assert "still running after 1 s of draining; restarting anyway" in log
+        assert "(the engine was restarted after draining); retrying on another engine" in log
+
+
 def test_sustained_heat_restarts_with_half_the_batched_tokens_then_restores(
     tmp_path: Path,
 ) -> None:
