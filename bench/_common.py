@@ -29,7 +29,6 @@ import aiohttp
 import psutil
 
 from tests.fakes.appliance_proc import (
-    REPO,
     Appliance,
     fake_engine_config,
     get_json,

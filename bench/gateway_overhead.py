@@ -46,11 +46,11 @@ from bench._common import (
     completion_body,
     daemon,
     header,
+    loop_env,
     module_argv,
     ms,
     pct,
     request,
-    loop_env,
     wait_for_quiet,
 )
 from tests.fakes.appliance_proc import REPO

@@ -35,6 +35,7 @@ from appliance.gateway.keys import (
 from appliance.gateway.metrics import GatewayMetrics
 from appliance.gateway.proxy import Relay
 from appliance.gateway.ratelimit import RateLimiter
+from appliance.gateway.splice import UpstreamPool
 
 if TYPE_CHECKING:
     from appliance.supervisor import Supervisor
@@ -68,6 +69,7 @@ class Gateway:
         )
         self.metrics.attach(supervisor, self.admission)
         self.session: aiohttp.ClientSession = None  # type: ignore[assignment]  # set on startup
+        self.upstreams = UpstreamPool()  # streamed requests' engine connections
         self.relay = Relay(self)
         self._models: tuple[str, ...] = ()
 
@@ -124,6 +126,7 @@ class Gateway:
 
     async def on_cleanup(self, app: web.Application) -> None:
         await self.watcher.stop()
+        self.upstreams.close()
         await self.session.close()
 
 

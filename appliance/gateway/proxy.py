@@ -22,17 +22,21 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import json
 import logging
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from aiohttp import web
+from aiohttp.http import HttpVersion11
 from aiohttp.web_protocol import RequestPayloadError
 
 from appliance.gateway.errors import GatewayError, sse_error_event
+from appliance.gateway.splice import UpstreamError, request_bytes
 from appliance.policy.routing import session_key
 
 if TYPE_CHECKING:
@@ -70,10 +74,10 @@ class _Attempt:
     """One request's try on one engine, so the engine can be abandoned mid-try."""
 
     task: asyncio.Task[Any] | None
-    upstream: aiohttp.ClientResponse | None = None
+    # Closes the engine connection of this try (pending reads then fail), once there is one.
+    close: Callable[[], None] | None = None
     abandoned: bool = False
-    # Set once the engine is given up on: why, for the retry log and the error.
-    why: str = field(default="")
+    why: str = ""  # set once the engine is given up on, for the retry log and the error
 
 
 def _bad(message: str, param: str | None = None) -> GatewayError:
@@ -146,9 +150,9 @@ class Relay:
         for attempt in attempts:
             attempt.abandoned = True
             attempt.why = why
-            if attempt.upstream is not None:
-                # Pending reads raise ClientConnectionError: handled like a broken engine.
-                attempt.upstream.close()
+            if attempt.close is not None:
+                # Pending reads fail: handled like a broken engine.
+                attempt.close()
             elif attempt.task is not None:
                 attempt.task.cancel()  # still in session.post(): see _relay
         return len(attempts)
@@ -258,6 +262,13 @@ class Relay:
         attempt = _Attempt(asyncio.current_task())
         attempts = self._attempts[engine_id]
         attempts.add(attempt)
+        if parsed.stream and request.version >= HttpVersion11:
+            try:
+                return await self._splice(
+                    request, attempt, snap.port, path, headers, raw, parsed, started
+                )
+            finally:
+                attempts.discard(attempt)
         try:
             upstream = await gw.session.post(
                 snap.base_url + path,
@@ -276,7 +287,7 @@ class Relay:
             if attempt.abandoned and task is not None and task.uncancel() == 0:
                 return attempt.why
             raise
-        attempt.upstream = upstream
+        attempt.close = upstream.close
         try:
             if upstream.status in RETRYABLE_STATUS:
                 return f"engine answered {upstream.status}"
@@ -298,6 +309,92 @@ class Relay:
                 upstream.release()  # keep the connection for the next request
             else:
                 upstream.close()  # closing mid-answer is what makes vLLM abort it
+
+    async def _splice(
+        self,
+        request: web.Request,
+        attempt: _Attempt,
+        port: int,
+        path: str,
+        headers: dict[str, str],
+        raw: bytes,
+        parsed: ParsedRequest,
+        started: float,
+    ) -> web.StreamResponse | str:
+        """A streamed request, relayed by splice.py: the engine's chunks go to the
+        client's socket as they arrive, without a task step per chunk."""
+        pool = self.gw.upstreams
+        host = "127.0.0.1"
+        try:
+            conn = await pool.acquire(host, port)
+        except UpstreamError as exc:
+            return str(exc)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if attempt.abandoned and task is not None and task.uncancel() == 0:
+                return attempt.why
+            raise
+        attempt.close = lambda: conn.abort(attempt.why or "the engine was given up on")
+        resp: web.StreamResponse | None = None
+        try:
+            head = await conn.send(request_bytes(path, host, port, headers, raw))
+            if head.status in RETRYABLE_STATUS:
+                return f"engine answered {head.status}"
+            if head.status != 200 or not head.chunked:
+                body = await conn.read_body()
+                self.gw.metrics.ttft.labels(parsed.route).observe(time.monotonic() - started)
+                return web.Response(
+                    status=head.status,
+                    body=body,
+                    content_type=head.headers.get("content-type", "application/json").split(";")[0],
+                )
+            # Headers go out with the first chunk: until then a failure can still be
+            # retried elsewhere without the client knowing.
+            await conn.wait_first_chunk()
+            resp = web.StreamResponse(
+                status=200,
+                headers={
+                    "Content-Type": head.headers.get("content-type", "text/event-stream"),
+                    "Cache-Control": "no-cache",
+                    "X-Accel-Buffering": "no",
+                },
+            )
+            resp.enable_chunked_encoding()
+            await resp.prepare(request)
+            await resp.write(b"")  # the head now: the engine's chunks follow it as they are
+            self.gw.metrics.ttft.labels(parsed.route).observe(time.monotonic() - started)
+            transport = request.transport
+            if transport is None or transport.is_closing():
+                request["status"] = 499
+                return resp
+            conn.splice_to(transport)
+            await conn.wait_spliced()
+        except UpstreamError as exc:
+            if resp is None:
+                return attempt.why or str(exc)
+            transport = request.transport
+            if transport is None or transport.is_closing():
+                request["status"] = 499  # the client went away: nothing to tell it
+                return resp
+            log.warning(
+                "engine stream broke after the first byte (%s); ending the client's "
+                "stream with an error event",
+                exc,
+            )
+            request["status"] = 502
+            with contextlib.suppress(ConnectionError):
+                await resp.write(
+                    sse_error_event(
+                        502,
+                        "the engine failed while generating; the answer is incomplete",
+                        "engine_error",
+                    )
+                )
+        finally:
+            pool.release(host, port, conn)
+        with contextlib.suppress(ConnectionError):
+            await resp.write_eof()
+        return resp
 
     async def _stream(
         self,

@@ -1,0 +1,454 @@
+"""Streamed answers relayed below aiohttp: engine socket to client socket, chunk for chunk.
+
+Why this exists: through aiohttp's client, each token chunk of a stream costs a parse
+into a ``StreamReader``, a future, a task step, then a re-encode on the way out; on a
+2-core box that was most of the gateway's CPU per relayed chunk (docs/benchmarks.md).
+Here the engine's response is read by a small protocol of our own and, once the stream
+is under way, the engine's chunks are written to the client's transport from
+``data_received`` as they came: no task wakes up per chunk, nothing is re-encoded. The
+client's stream and the engine's use the same framing (HTTP/1.1 chunked), and only whole
+chunks are forwarded, so the client's stream always stops at a chunk (for vLLM: an SSE
+event) boundary, where an error event can still be appended cleanly.
+
+Scope: one POST at a time per connection, to an engine on loopback that answers
+HTTP/1.1; connections are kept alive in a pool per engine. The relay (proxy.py) uses it
+for streamed requests from HTTP/1.1 clients; everything else goes through aiohttp's
+client.
+
+Flow control: when a client does not read, its transport's buffer grows; above
+``HIGH_WATER`` the engine connection stops reading (so the engine's socket fills and
+its own flow control holds tokens back) until the buffer is below ``LOW_WATER``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import enum
+from dataclasses import dataclass
+from typing import cast
+
+HIGH_WATER = 256 * 1024
+LOW_WATER = 64 * 1024
+MAX_HEAD_BYTES = 64 * 1024
+MAX_BODY_BYTES = 64 * 1024 * 1024  # a non-streamed answer (an error body) read whole
+MAX_CHUNK_LINE = 1024
+MAX_IDLE_PER_ENGINE = 1024
+CONNECT_TIMEOUT_S = 5.0
+DRAIN_POLL_S = 0.02
+
+
+class UpstreamError(Exception):
+    """The engine connection failed or spoke bad HTTP; ``str()`` says how."""
+
+
+@dataclass(frozen=True, slots=True)
+class Head:
+    status: int
+    headers: dict[str, str]  # lower-case names; the last value wins
+
+    @property
+    def chunked(self) -> bool:
+        return "chunked" in self.headers.get("transfer-encoding", "").lower()
+
+    @property
+    def keep_alive(self) -> bool:
+        return "close" not in self.headers.get("connection", "").lower()
+
+
+def parse_head(raw: bytes) -> Head:
+    """Status line and headers of an HTTP/1.x response (``raw`` stops before CRLF CRLF)."""
+    lines = raw.split(b"\r\n")
+    parts = lines[0].split(b" ", 2)
+    if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or not parts[1].isdigit():
+        raise UpstreamError(f"bad status line {lines[0][:80]!r}")
+    headers: dict[str, str] = {}
+    for line in lines[1:]:
+        name, sep, value = line.partition(b":")
+        if not sep or not name.strip():
+            raise UpstreamError(f"bad header line {line[:80]!r}")
+        headers[name.strip().lower().decode("latin-1")] = value.strip().decode("latin-1")
+    return Head(int(parts[1]), headers)
+
+
+def is_whole_chunks(data: bytes) -> bool:
+    """Whether ``data`` is exactly whole, non-terminal chunks: the common case of one
+    read holding one token event, checked without copying anything."""
+    n = len(data)
+    pos = 0
+    while pos < n:
+        eol = data.find(b"\r\n", pos, pos + MAX_CHUNK_LINE)
+        if eol <= pos:
+            return False
+        try:
+            size = int(data[pos:eol], 16)  # a chunk extension (rare) takes the slow path
+        except ValueError:
+            return False
+        if size <= 0:
+            return False
+        pos = eol + 2 + size + 2
+        if pos > n or data[pos - 2 : pos] != b"\r\n":
+            return False
+    return True
+
+
+def scan_chunks(buf: bytes | bytearray) -> tuple[int, list[bytes], int]:
+    """The whole chunks at the start of a chunked body.
+
+    Returns ``(end, payloads, terminal)``: ``buf[:end]`` is whole chunks in wire form,
+    ``payloads`` their data; ``terminal`` is where the terminal (size 0) chunk starts
+    when it, with its trailers, ends the body at ``end``, else -1. Raises UpstreamError
+    on bad framing.
+    """
+    pos = 0
+    payloads: list[bytes] = []
+    n = len(buf)
+    while pos < n:
+        eol = buf.find(b"\r\n", pos, pos + MAX_CHUNK_LINE)
+        if eol < 0:
+            if n - pos >= MAX_CHUNK_LINE:
+                raise UpstreamError("chunk size line too long")
+            break
+        size_field = bytes(buf[pos:eol]).split(b";", 1)[0].strip()
+        try:
+            size = int(size_field, 16)
+        except ValueError:
+            raise UpstreamError(f"bad chunk size {size_field[:20]!r}") from None
+        if size < 0:
+            raise UpstreamError("bad chunk size (negative)")
+        if size == 0:
+            if buf[eol + 2 : eol + 4] == b"\r\n":  # no trailers: the usual end
+                return eol + 4, payloads, pos
+            end = buf.find(b"\r\n\r\n", eol)
+            if end < 0:
+                break
+            return end + 4, payloads, pos
+        data_end = eol + 2 + size
+        if data_end + 2 > n:
+            break
+        if buf[data_end : data_end + 2] != b"\r\n":
+            raise UpstreamError("chunk data not followed by CRLF")
+        payloads.append(bytes(buf[eol + 2 : data_end]))
+        pos = data_end + 2
+    return pos, payloads, -1
+
+
+class _Phase(enum.Enum):
+    IDLE = "idle"  # in the pool, or new
+    HEAD = "head"  # request sent, reading the status line and headers
+    BODY = "body"  # reading the body
+    DONE = "done"  # body read whole, or failed (``error``)
+
+
+class _Framing(enum.Enum):
+    CHUNKED = "chunked"
+    LENGTH = "length"
+    UNTIL_CLOSE = "until-close"
+
+
+class _Consumer(enum.Enum):
+    PENDING = "pending"  # the relay has not decided yet: keep the bytes
+    COLLECT = "collect"  # read the body whole (read_body)
+    SPLICE = "splice"  # whole chunks go straight to the client's transport
+
+
+class UpstreamConnection(asyncio.Protocol):
+    """One keep-alive HTTP/1.1 connection to an engine, one request at a time."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self._loop = asyncio.get_running_loop()
+        self._buf = bytearray()
+        self._phase = _Phase.IDLE
+        self._framing = _Framing.CHUNKED
+        self._consumer = _Consumer.PENDING
+        self._remaining = 0
+        self._collected: list[bytes] = []
+        self._collected_bytes = 0
+        self._closed = False
+        self._head: asyncio.Future[Head] | None = None
+        self._event: asyncio.Future[None] | None = None
+        self._sink: asyncio.WriteTransport | None = None
+        self.paused = False
+        self.error: UpstreamError | None = None
+        self.reusable = False
+
+    # ---- asyncio.Protocol --------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports quack like asyncio.Transport without subclassing it.
+        self.transport = cast(asyncio.Transport, transport)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._closed = True
+        self.reusable = False
+        if self._phase is _Phase.BODY and self._framing is _Framing.UNTIL_CLOSE:
+            self._advance()  # the close is the end of this body
+            return
+        if self._phase in (_Phase.HEAD, _Phase.BODY):
+            why = "the engine closed the connection"
+            if exc is not None:
+                why = f"the engine connection failed ({type(exc).__name__})"
+            self._fail(UpstreamError(why))
+
+    def data_received(self, data: bytes) -> None:
+        # The hot path, a stream under way: whole chunks go out as they came.
+        if self._consumer is _Consumer.SPLICE and not self._buf and is_whole_chunks(data):
+            self._emit(data)
+            return
+        self._buf += data
+        self._advance()
+
+    def eof_received(self) -> bool | None:
+        return False  # close our side as well; connection_lost follows
+
+    # ---- the relay's side ----------------------------------------------------------------
+    def send(self, request: bytes) -> asyncio.Future[Head]:
+        """Send one request; the future is its response head."""
+        assert self.transport is not None and self._phase in (_Phase.IDLE, _Phase.DONE)
+        self._buf.clear()
+        self._collected, self._collected_bytes = [], 0
+        self._consumer = _Consumer.PENDING
+        self._sink = None
+        self.paused = False
+        self.error = None
+        self.reusable = False
+        self._phase = _Phase.HEAD
+        self._head = self._loop.create_future()
+        self.transport.write(request)
+        return self._head
+
+    def abort(self, reason: str) -> None:
+        """Give up on this request (engine abandoned, client gone, bad HTTP)."""
+        self._fail(UpstreamError(reason))
+        if self.transport is not None:
+            self.transport.close()
+
+    async def read_body(self) -> bytes:
+        """The whole body of a non-streamed answer."""
+        self._consumer = _Consumer.COLLECT
+        self._advance()
+        while self._phase is not _Phase.DONE:
+            await self._wait()
+        if self.error is not None:
+            raise self.error
+        return b"".join(self._collected)
+
+    async def wait_first_chunk(self) -> None:
+        """Until a whole chunk (or the body's end) of a chunked body is here."""
+        while self._phase is _Phase.BODY and not self._has_chunk():
+            await self._wait()
+        if self.error is not None:
+            raise self.error
+
+    def splice_to(self, sink: asyncio.WriteTransport) -> None:
+        """From now on whole chunks go straight to ``sink``; what is here goes now."""
+        self._sink = sink
+        self._consumer = _Consumer.SPLICE
+        self._advance()
+
+    async def wait_spliced(self) -> None:
+        """Until the spliced body has ended, keeping the client's buffer bounded."""
+        while self._phase is not _Phase.DONE:
+            if self.paused:
+                # Polled, and only while a client is not reading: the client transport's
+                # protocol is aiohttp's, which offers no public "drained" to wait on.
+                while self._client_backed_up():  # noqa: ASYNC110
+                    await asyncio.sleep(DRAIN_POLL_S)
+                self.paused = False
+                if self.transport is not None and not self._closed:
+                    self.transport.resume_reading()
+                continue
+            await self._wait()
+        if self.error is not None:
+            raise self.error
+
+    @property
+    def finished(self) -> bool:
+        """The answer was read whole and the connection may serve another request."""
+        return (
+            self._phase is _Phase.DONE
+            and self.error is None
+            and self.reusable
+            and not self._closed
+            and not self._buf
+        )
+
+    # ---- internals -------------------------------------------------------------------
+    def _client_backed_up(self) -> bool:
+        sink = self._sink
+        return (
+            sink is not None
+            and not sink.is_closing()
+            and sink.get_write_buffer_size() > LOW_WATER
+            and self._phase is not _Phase.DONE
+        )
+
+    def _has_chunk(self) -> bool:
+        try:
+            end, _, terminal = scan_chunks(self._buf)
+        except UpstreamError as exc:
+            self.abort(str(exc))
+            return True
+        return end > 0 or terminal >= 0
+
+    def _wait(self) -> asyncio.Future[None]:
+        if self._event is None or self._event.done():
+            self._event = self._loop.create_future()
+        return self._event
+
+    def _notify(self) -> None:
+        if self._event is not None and not self._event.done():
+            self._event.set_result(None)
+
+    def _fail(self, error: UpstreamError) -> None:
+        if self._phase is _Phase.DONE:
+            return
+        self.error = error
+        self._phase = _Phase.DONE
+        self.reusable = False
+        if self._head is not None and not self._head.done():
+            self._head.set_exception(error)
+            self._head.exception()  # retrieved: nobody may be waiting any more
+        self._notify()
+
+    def _finish(self) -> None:
+        self._phase = _Phase.DONE
+        self._notify()
+
+    def _emit(self, wire: bytes) -> None:
+        sink = self._sink
+        assert sink is not None
+        if sink.is_closing():
+            self.abort("the client disconnected")  # closing is what makes vLLM abort
+            return
+        sink.write(wire)
+        if not self.paused and sink.get_write_buffer_size() > HIGH_WATER:
+            self.paused = True
+            if self.transport is not None:
+                self.transport.pause_reading()
+            self._notify()
+
+    def _advance(self) -> None:
+        try:
+            self._advance_or_raise()
+        except UpstreamError as exc:
+            self.abort(str(exc))
+
+    def _advance_or_raise(self) -> None:
+        if self._phase is _Phase.HEAD:
+            end = self._buf.find(b"\r\n\r\n")
+            if end < 0:
+                if len(self._buf) > MAX_HEAD_BYTES:
+                    raise UpstreamError("the engine's response headers are too large")
+                return
+            head = parse_head(bytes(self._buf[:end]))
+            del self._buf[: end + 4]
+            self.reusable = head.keep_alive
+            if head.chunked:
+                self._framing = _Framing.CHUNKED
+            elif "content-length" in head.headers:
+                try:
+                    self._remaining = int(head.headers["content-length"])
+                except ValueError:
+                    raise UpstreamError("bad Content-Length from the engine") from None
+                self._framing = _Framing.LENGTH
+            else:
+                self._framing = _Framing.UNTIL_CLOSE
+                self.reusable = False
+            self._phase = _Phase.BODY
+            assert self._head is not None
+            if not self._head.done():
+                self._head.set_result(head)
+        if self._phase is not _Phase.BODY:
+            return
+        if self._consumer is _Consumer.PENDING:
+            self._notify()  # the relay may be waiting for its first chunk
+        elif self._consumer is _Consumer.SPLICE:
+            end, _, terminal = scan_chunks(self._buf)
+            if terminal >= 0:
+                # The data goes out, not the engine's terminal chunk: the gateway ends
+                # the client's stream itself (after an error event, if need be).
+                if terminal:
+                    self._emit(bytes(self._buf[:terminal]))
+                del self._buf[:end]
+                self._finish()
+            elif end:
+                wire = bytes(self._buf[:end])
+                del self._buf[:end]
+                self._emit(wire)
+        elif self._framing is _Framing.CHUNKED:
+            end, payloads, terminal = scan_chunks(self._buf)
+            del self._buf[:end]
+            self._keep(payloads)
+            if terminal >= 0:
+                self._finish()
+        elif self._framing is _Framing.LENGTH:
+            take = min(self._remaining, len(self._buf))
+            self._keep([bytes(self._buf[:take])])
+            del self._buf[:take]
+            self._remaining -= take
+            if self._remaining == 0:
+                self._finish()
+        else:
+            self._keep([bytes(self._buf)])
+            self._buf.clear()
+            if self._closed:
+                self._finish()
+
+    def _keep(self, pieces: list[bytes]) -> None:
+        for piece in pieces:
+            self._collected.append(piece)
+            self._collected_bytes += len(piece)
+        if self._collected_bytes > MAX_BODY_BYTES:
+            raise UpstreamError("the engine's answer is too large")
+
+
+class UpstreamPool:
+    """Keep-alive connections to the engines, per (host, port)."""
+
+    def __init__(self) -> None:
+        self._idle: collections.defaultdict[
+            tuple[str, int], collections.deque[UpstreamConnection]
+        ] = collections.defaultdict(collections.deque)
+
+    async def acquire(self, host: str, port: int) -> UpstreamConnection:
+        idle = self._idle[(host, port)]
+        while idle:
+            conn = idle.pop()
+            if conn.transport is not None and not conn.transport.is_closing():
+                return conn
+        loop = asyncio.get_running_loop()
+        try:
+            _, conn = await asyncio.wait_for(
+                loop.create_connection(UpstreamConnection, host, port), CONNECT_TIMEOUT_S
+            )
+        except TimeoutError:
+            raise UpstreamError("connecting to the engine timed out") from None
+        except OSError as exc:
+            raise UpstreamError(f"cannot connect to the engine ({type(exc).__name__})") from None
+        return conn
+
+    def release(self, host: str, port: int, conn: UpstreamConnection) -> None:
+        """Back to the pool when its answer was read whole; closed otherwise (which, in
+        the middle of an answer, is what makes vLLM abort the generation)."""
+        if conn.transport is None:
+            return
+        idle = self._idle[(host, port)]
+        if conn.finished and len(idle) < MAX_IDLE_PER_ENGINE:
+            conn._phase = _Phase.IDLE
+            idle.append(conn)
+        else:
+            conn.transport.close()
+
+    def close(self) -> None:
+        for idle in self._idle.values():
+            while idle:
+                conn = idle.pop()
+                if conn.transport is not None:
+                    conn.transport.close()
+
+
+def request_bytes(path: str, host: str, port: int, headers: dict[str, str], body: bytes) -> bytes:
+    lines = [f"POST {path} HTTP/1.1", f"Host: {host}:{port}", f"Content-Length: {len(body)}"]
+    lines += [f"{k}: {v}" for k, v in headers.items()]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
