@@ -80,6 +80,41 @@ class _Attempt:
     why: str = ""  # set once the engine is given up on, for the retry log and the error
 
 
+def _stream_response(content_type: str) -> web.StreamResponse:
+    return web.StreamResponse(
+        status=200,
+        headers={
+            "Content-Type": content_type,
+            "Cache-Control": "no-cache",
+            "X-Accel-Buffering": "no",
+        },
+    )
+
+
+async def _end_with_error_event(request: web.Request, resp: web.StreamResponse, why: str) -> None:
+    """An engine broke after the client's first byte: say so in the stream, never truncate."""
+    log.warning(
+        "engine stream broke after the first byte (%s); ending the client's stream with "
+        "an error event",
+        why,
+    )
+    request["status"] = 502
+    with contextlib.suppress(ConnectionError):
+        await resp.write(
+            sse_error_event(
+                502, "the engine failed while generating; the answer is incomplete", "engine_error"
+            )
+        )
+
+
+def _given_up(attempt: _Attempt) -> bool:
+    """Whether the CancelledError being handled is abandon()'s own, and only that: then
+    it is taken back and the try counts as an engine failure before the first byte (a
+    client that went away cancels too, and that one must go on)."""
+    task = asyncio.current_task()
+    return attempt.abandoned and task is not None and task.uncancel() == 0
+
+
 def _bad(message: str, param: str | None = None) -> GatewayError:
     return GatewayError(400, message, param=param, code="invalid_request", reason="bad_request")
 
@@ -281,10 +316,7 @@ class Relay:
             return f"{type(exc).__name__}"
         except asyncio.CancelledError:
             attempts.discard(attempt)
-            task = asyncio.current_task()
-            # Our own cancel from abandon() and nobody else's (a client that went away
-            # cancels too): then it is an engine failure before the first byte.
-            if attempt.abandoned and task is not None and task.uncancel() == 0:
+            if _given_up(attempt):
                 return attempt.why
             raise
         attempt.close = upstream.close
@@ -330,8 +362,7 @@ class Relay:
         except UpstreamError as exc:
             return str(exc)
         except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if attempt.abandoned and task is not None and task.uncancel() == 0:
+            if _given_up(attempt):
                 return attempt.why
             raise
         attempt.close = lambda: conn.abort(attempt.why or "the engine was given up on")
@@ -351,14 +382,7 @@ class Relay:
             # Headers go out with the first chunk: until then a failure can still be
             # retried elsewhere without the client knowing.
             await conn.wait_first_chunk()
-            resp = web.StreamResponse(
-                status=200,
-                headers={
-                    "Content-Type": head.headers.get("content-type", "text/event-stream"),
-                    "Cache-Control": "no-cache",
-                    "X-Accel-Buffering": "no",
-                },
-            )
+            resp = _stream_response(head.headers.get("content-type", "text/event-stream"))
             resp.enable_chunked_encoding()
             await resp.prepare(request)
             await resp.write(b"")  # the head now: the engine's chunks follow it as they are
@@ -376,20 +400,7 @@ class Relay:
             if transport is None or transport.is_closing():
                 request["status"] = 499  # the client went away: nothing to tell it
                 return resp
-            log.warning(
-                "engine stream broke after the first byte (%s); ending the client's "
-                "stream with an error event",
-                exc,
-            )
-            request["status"] = 502
-            with contextlib.suppress(ConnectionError):
-                await resp.write(
-                    sse_error_event(
-                        502,
-                        "the engine failed while generating; the answer is incomplete",
-                        "engine_error",
-                    )
-                )
+            await _end_with_error_event(request, resp, str(exc))
         finally:
             pool.release(host, port, conn)
         with contextlib.suppress(ConnectionError):
@@ -403,14 +414,7 @@ class Relay:
         parsed: ParsedRequest,
         started: float,
     ) -> web.StreamResponse:
-        resp = web.StreamResponse(
-            status=200,
-            headers={
-                "Content-Type": upstream.headers.get("Content-Type", "text/event-stream"),
-                "Cache-Control": "no-cache",
-                "X-Accel-Buffering": "no",
-            },
-        )
+        resp = _stream_response(upstream.headers.get("Content-Type", "text/event-stream"))
         first = True
         content = upstream.content
         try:
@@ -431,19 +435,7 @@ class Relay:
         except (TimeoutError, aiohttp.ClientError) as exc:
             if first:
                 raise
-            log.warning(
-                "engine stream broke after the first byte (%s); ending the client's "
-                "stream with an error event",
-                type(exc).__name__,
-            )
-            request["status"] = 502
-            await resp.write(
-                sse_error_event(
-                    502,
-                    "the engine failed while generating; the answer is incomplete",
-                    "engine_error",
-                )
-            )
+            await _end_with_error_event(request, resp, type(exc).__name__)
         if first:
             await resp.prepare(request)  # an empty stream: still a valid (empty) answer
         await resp.write_eof()
