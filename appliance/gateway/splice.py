@@ -34,6 +34,10 @@ MAX_HEAD_BYTES = 64 * 1024
 MAX_BODY_BYTES = 64 * 1024 * 1024  # a non-streamed answer (an error body) read whole
 MAX_CHUNK_LINE = 1024
 MAX_IDLE_PER_ENGINE = 1024
+# vLLM's server closes a connection idle for 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE): reusing
+# one near that age races its close, and the request would fail as if the engine had.
+# Idle longer than this, a connection is closed instead of reused.
+MAX_IDLE_S = 2.0
 CONNECT_TIMEOUT_S = 5.0
 DRAIN_POLL_S = 0.02
 
@@ -172,6 +176,7 @@ class UpstreamConnection(asyncio.Protocol):
         self.paused = False
         self.error: UpstreamError | None = None
         self.reusable = False
+        self.idle_since = 0.0
 
     # ---- asyncio.Protocol --------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -413,11 +418,21 @@ class UpstreamPool:
 
     async def acquire(self, host: str, port: int) -> UpstreamConnection:
         idle = self._idle[(host, port)]
-        while idle:
-            conn = idle.pop()
-            if conn.transport is not None and not conn.transport.is_closing():
-                return conn
         loop = asyncio.get_running_loop()
+        fresh_after = loop.time() - MAX_IDLE_S
+        while idle:
+            conn = idle.pop()  # the most recently used first
+            if conn.transport is None or conn.transport.is_closing():
+                continue
+            if conn.idle_since < fresh_after:
+                # This one and all older ones are too close to the engine's own close.
+                conn.transport.close()
+                while idle:
+                    old = idle.popleft()
+                    if old.transport is not None:
+                        old.transport.close()
+                break
+            return conn
         try:
             _, conn = await asyncio.wait_for(
                 loop.create_connection(UpstreamConnection, host, port), CONNECT_TIMEOUT_S
@@ -436,6 +451,7 @@ class UpstreamPool:
         idle = self._idle[(host, port)]
         if conn.finished and len(idle) < MAX_IDLE_PER_ENGINE:
             conn._phase = _Phase.IDLE
+            conn.idle_since = asyncio.get_running_loop().time()
             idle.append(conn)
         else:
             conn.transport.close()

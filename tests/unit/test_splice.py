@@ -304,3 +304,27 @@ async def test_client_that_does_not_read_pauses_the_engine_connection(
                     break
             await waiting
             assert got >= 200 * 16000
+
+
+async def test_a_connection_idle_too_long_is_not_reused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM closes idle connections after 5 s: reusing one near that age races the close."""
+    monkeypatch.setattr(splice, "MAX_IDLE_S", 0.1)
+    answer: list[bytes | None] = [b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"]
+    async with engine([list(answer), list(answer), list(answer)]) as eng:
+        pool = UpstreamPool()
+        first = await pool.acquire("127.0.0.1", eng.port)
+        await first.send(req(eng.port))
+        assert await first.read_body() == b"ok"
+        pool.release("127.0.0.1", eng.port, first)
+        assert await pool.acquire("127.0.0.1", eng.port) is first  # fresh: reused
+        await first.send(req(eng.port))
+        assert await first.read_body() == b"ok"
+        pool.release("127.0.0.1", eng.port, first)
+        await asyncio.sleep(0.2)
+        second = await pool.acquire("127.0.0.1", eng.port)
+        assert second is not first and first.transport is not None
+        assert first.transport.is_closing()
+        await second.send(req(eng.port))
+        assert await second.read_body() == b"ok"
+        assert eng.connections == 2
+        pool.close()
