@@ -117,8 +117,10 @@ class Gateway:
 
     async def on_startup(self, app: web.Application) -> None:
         # Many concurrent streams: aiohttp's default of 100 connections would queue them.
+        # Idle connections are dropped after 2 s, before vLLM's own 5 s close can race a
+        # request sent on one (aiohttp does not retry a POST; splice.MAX_IDLE_S likewise).
         self.session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, force_close=False),
+            connector=aiohttp.TCPConnector(limit=0, force_close=False, keepalive_timeout=2.0),
             trust_env=False,
             auto_decompress=False,
         )
