@@ -254,12 +254,6 @@ def daemon(
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def loop_env(loop: str) -> dict[str, str]:
-    """Environment that runs the daemon on ``loop`` (asyncio or uvloop): what an admin
-    sets (``LLM_APPLIANCE_EVENT_LOOP``); the appliance's default is uvloop."""
-    return {"LLM_APPLIANCE_EVENT_LOOP": loop}
-
-
 # ---------------------------------------------------------------------------- client
 
 

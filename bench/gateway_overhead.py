@@ -46,7 +46,6 @@ from bench._common import (
     completion_body,
     daemon,
     header,
-    loop_env,
     module_argv,
     ms,
     pct,
@@ -310,7 +309,7 @@ def main() -> None:
     args.levels = [int(x) for x in args.levels.split(",")]
     args.profile_levels = [int(x) for x in args.profile_levels.split(",") if x]
     kv = [] if args.kv_cache_usage == "derived" else ["--kv-cache-usage", args.kv_cache_usage]
-    env = loop_env(args.daemon_loop)
+    env = {"LLM_APPLIANCE_EVENT_LOOP": args.daemon_loop}
     quiet = wait_for_quiet(0 if args.no_wait else 600)
     quiet.start_watching()
     t0 = time.monotonic()

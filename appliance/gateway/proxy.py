@@ -76,8 +76,7 @@ class _Attempt:
     task: asyncio.Task[Any] | None
     # Closes the engine connection of this try (pending reads then fail), once there is one.
     close: Callable[[], None] | None = None
-    abandoned: bool = False
-    why: str = ""  # set once the engine is given up on, for the retry log and the error
+    why: str = ""  # why the engine was given up on (abandon()); "" while it was not
 
 
 def _stream_response(content_type: str) -> web.StreamResponse:
@@ -112,7 +111,7 @@ def _given_up(attempt: _Attempt) -> bool:
     it is taken back and the try counts as an engine failure before the first byte (a
     client that went away cancels too, and that one must go on)."""
     task = asyncio.current_task()
-    return attempt.abandoned and task is not None and task.uncancel() == 0
+    return bool(attempt.why) and task is not None and task.uncancel() == 0
 
 
 def _bad(message: str, param: str | None = None) -> GatewayError:
@@ -183,7 +182,6 @@ class Relay:
         """
         attempts = list(self._attempts.get(engine_id, ()))
         for attempt in attempts:
-            attempt.abandoned = True
             attempt.why = why
             if attempt.close is not None:
                 # Pending reads fail: handled like a broken engine.
@@ -297,25 +295,38 @@ class Relay:
         attempt = _Attempt(asyncio.current_task())
         attempts = self._attempts[engine_id]
         attempts.add(attempt)
-        if parsed.stream and request.version >= HttpVersion11:
-            try:
+        try:
+            if parsed.stream and request.version >= HttpVersion11:
                 return await self._splice(
                     request, attempt, snap.port, path, headers, raw, parsed, started
                 )
-            finally:
-                attempts.discard(attempt)
+            return await self._via_client(
+                request, attempt, snap.base_url + path, headers, raw, parsed, started
+            )
+        finally:
+            attempts.discard(attempt)
+
+    async def _via_client(
+        self,
+        request: web.Request,
+        attempt: _Attempt,
+        url: str,
+        headers: dict[str, str],
+        raw: bytes,
+        parsed: ParsedRequest,
+        started: float,
+    ) -> web.StreamResponse | str:
+        """A non-streamed request (or an HTTP/1.0 client's stream), through aiohttp."""
         try:
-            upstream = await gw.session.post(
-                snap.base_url + path,
+            upstream = await self.gw.session.post(
+                url,
                 data=raw,
                 headers=headers,
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
             )
         except (aiohttp.ClientError, OSError) as exc:
-            attempts.discard(attempt)
             return f"{type(exc).__name__}"
         except asyncio.CancelledError:
-            attempts.discard(attempt)
             if _given_up(attempt):
                 return attempt.why
             raise
@@ -330,13 +341,12 @@ class Relay:
                     body=body,
                     content_type=upstream.content_type or "application/json",
                 )
-                gw.metrics.ttft.labels(parsed.route).observe(time.monotonic() - started)
+                self.gw.metrics.ttft.labels(parsed.route).observe(time.monotonic() - started)
                 return resp
             return await self._stream(request, upstream, parsed, started)
         except (TimeoutError, aiohttp.ClientError) as exc:
             return attempt.why or f"{type(exc).__name__}"
         finally:
-            attempts.discard(attempt)
             if upstream.content.at_eof():
                 upstream.release()  # keep the connection for the next request
             else:
@@ -365,7 +375,7 @@ class Relay:
             if _given_up(attempt):
                 return attempt.why
             raise
-        attempt.close = lambda: conn.abort(attempt.why or "the engine was given up on")
+        attempt.close = lambda: conn.abort(attempt.why)
         resp: web.StreamResponse | None = None
         try:
             head = await conn.send(request_bytes(path, host, port, headers, raw))
@@ -388,10 +398,9 @@ class Relay:
             await resp.write(b"")  # the head now: the engine's chunks follow it as they are
             self.gw.metrics.ttft.labels(parsed.route).observe(time.monotonic() - started)
             transport = request.transport
-            if transport is None or transport.is_closing():
-                request["status"] = 499
-                return resp
-            conn.splice_to(transport)
+            if transport is None:
+                raise UpstreamError("the client disconnected")
+            conn.splice_to(transport)  # a closing client transport aborts it at once
             await conn.wait_spliced()
         except UpstreamError as exc:
             if resp is None:

@@ -138,10 +138,10 @@ def scan_chunks(buf: bytes | bytearray) -> tuple[int, list[bytes], int]:
 
 
 class _Phase(enum.Enum):
-    IDLE = "idle"  # in the pool, or new
+    IDLE = "idle"  # new: no request sent yet
     HEAD = "head"  # request sent, reading the status line and headers
     BODY = "body"  # reading the body
-    DONE = "done"  # body read whole, or failed (``error``)
+    DONE = "done"  # body read whole (then it may wait in the pool), or failed (``error``)
 
 
 class _Framing(enum.Enum):
@@ -438,7 +438,8 @@ class UpstreamPool:
                 loop.create_connection(UpstreamConnection, host, port), CONNECT_TIMEOUT_S
             )
         except TimeoutError:
-            raise UpstreamError("connecting to the engine timed out") from None
+            # "timeout" in the reason is what makes the relay answer 504 rather than 502.
+            raise UpstreamError("timeout connecting to the engine") from None
         except OSError as exc:
             raise UpstreamError(f"cannot connect to the engine ({type(exc).__name__})") from None
         return conn
@@ -450,7 +451,6 @@ class UpstreamPool:
             return
         idle = self._idle[(host, port)]
         if conn.finished and len(idle) < MAX_IDLE_PER_ENGINE:
-            conn._phase = _Phase.IDLE
             conn.idle_since = asyncio.get_running_loop().time()
             idle.append(conn)
         else:

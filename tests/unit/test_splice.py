@@ -145,6 +145,14 @@ def req(port: int) -> bytes:
     return request_bytes("/v1/completions", "127.0.0.1", port, {}, b'{"stream": true}')
 
 
+async def streaming(eng: ScriptedEngine) -> splice.UpstreamConnection:
+    """A connection whose stream has begun: head read, first whole chunk here."""
+    conn = await UpstreamPool().acquire("127.0.0.1", eng.port)
+    await conn.send(req(eng.port))
+    await conn.wait_first_chunk()
+    return conn
+
+
 @contextlib.asynccontextmanager
 async def client_socket() -> AsyncIterator[tuple[asyncio.Transport, socket.socket]]:
     """A transport to splice into, and the plain socket at its other end."""
@@ -267,9 +275,7 @@ async def test_bad_http_from_the_engine_is_an_error_not_a_crash() -> None:
 
 async def test_abort_fails_the_waiting_relay_and_closes_the_engine_connection() -> None:
     async with engine([[OK_HEAD, chunk(b"data: 1\n\n")]]) as eng:
-        conn = await UpstreamPool().acquire("127.0.0.1", eng.port)
-        await conn.send(req(eng.port))
-        await conn.wait_first_chunk()
+        conn = await streaming(eng)
         async with client_socket() as (transport, _far):
             conn.splice_to(transport)
             waiting = asyncio.ensure_future(conn.wait_spliced())
@@ -287,9 +293,7 @@ async def test_client_that_does_not_read_pauses_the_engine_connection(
     monkeypatch.setattr(splice, "LOW_WATER", 16 * 1024)
     big = [chunk(b"x" * 16000) for _ in range(200)]  # 3.2 MB the client will not read
     async with engine([[OK_HEAD, *big, b"0\r\n\r\n"]]) as eng:
-        conn = await UpstreamPool().acquire("127.0.0.1", eng.port)
-        await conn.send(req(eng.port))
-        await conn.wait_first_chunk()
+        conn = await streaming(eng)
         async with client_socket() as (transport, far):
             conn.splice_to(transport)
             waiting = asyncio.ensure_future(conn.wait_spliced())
