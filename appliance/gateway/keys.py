@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import fcntl
 import hashlib
 import hmac
@@ -62,6 +63,7 @@ LOCK_TIMEOUT_S = 10.0
 _MAX_PRESENTED_LEN = 200
 _KEY_RE = re.compile(r"sk-la-([0-9a-f]{8})-([A-Za-z0-9_-]{16,128})")
 _ID_RE = re.compile(r"[0-9a-f]{8}")
+_ID_INPUT_RE = re.compile(r"[0-9A-Fa-f]{8}")  # explicit ranges: never Unicode digits
 _HASH_RE = re.compile(r"[0-9a-f]{64}")
 # Compared against when the id is unknown, so both paths do the same work.
 _DUMMY_HASH = hashlib.sha256(b"sk-la-00000000-unknown").hexdigest()
@@ -80,6 +82,7 @@ class KeySpecError(ApplianceError, ValueError):
 
     def __init__(self, field: str, message: str) -> None:
         self.field = field
+        self.reason = message
         super().__init__(f"{field}: {message}")
 
 
@@ -145,14 +148,26 @@ class KeyRecord:
 
 
 # --- validation ------------------------------------------------------------------------
+#
+# One validator per field, used by `keys create`, POST /admin/keys, DELETE /admin/keys/{id},
+# `keys revoke` and the keys file parser alike, so a field is refused in one place with one
+# message. The maxima keep every stored value a finite JSON number that the rate limiter
+# and the expiry arithmetic can hold (10**400 rpm or 1e304 days would not be).
+
+MAX_RPM = 1_000_000  # requests per minute: far beyond what one box serves
+MAX_TPM = 1_000_000_000  # tokens per minute: likewise
+MAX_EXPIRES_DAYS = 36_500  # 100 years: a key that should outlive that needs no expiry
+_LIMIT_MAXIMA = {"rpm": MAX_RPM, "tpm": MAX_TPM}
+_SHOWN_MAX = 40
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+def _show(value: object) -> str:
+    """A bad value for a message, cut short: a refusal stays one short line."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int with more digits than Python will print
+        return "a number with thousands of digits"
+    return text if len(text) <= _SHOWN_MAX else text[: _SHOWN_MAX - 3] + "..."
 
 
 def validate_name(name: object) -> str:
@@ -166,29 +181,37 @@ def validate_name(name: object) -> str:
     return name
 
 
-def validate_scopes(scopes: Iterable[str] | None) -> frozenset[str]:
+def validate_scopes(scopes: object) -> frozenset[str]:
+    """A list of scopes (a lone string counts as one); None: the default."""
+    allowed = ", ".join(sorted(SCOPES))
     if scopes is None:
         return frozenset(DEFAULT_SCOPES)
     if isinstance(scopes, str):
         scopes = [scopes]
-    chosen = list(scopes)
-    bad = [s for s in chosen if not isinstance(s, str) or s not in SCOPES]
-    if bad:
+    if not isinstance(scopes, (list, tuple)):
         raise KeySpecError(
-            "scopes",
-            f"unknown scope(s) {', '.join(map(repr, bad))}; allowed: " + ", ".join(sorted(SCOPES)),
+            "scopes", f"must be a list of scopes ({allowed}), got {type(scopes).__name__}"
         )
-    if not chosen:
-        raise KeySpecError("scopes", "at least one scope is needed: " + ", ".join(sorted(SCOPES)))
-    return frozenset(chosen)
+    bad = [s for s in scopes if not isinstance(s, str) or s not in SCOPES]
+    if bad:
+        shown = ", ".join(_show(s) for s in bad[:3]) + (", ..." if len(bad) > 3 else "")
+        raise KeySpecError("scopes", f"unknown scope(s) {shown}; allowed: {allowed}")
+    if not scopes:
+        raise KeySpecError("scopes", f"at least one scope is needed: {allowed}")
+    return frozenset(scopes)
 
 
 def validate_limit(field_name: str, value: object) -> int | None:
+    """rpm or tpm: a whole number from 1 to its maximum, or None (no limit)."""
+    maximum = _LIMIT_MAXIMA[field_name]
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise KeySpecError(field_name, f"must be a positive integer or unset, got {value!r}")
-    return value
+    if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= maximum:
+        return value
+    raise KeySpecError(
+        field_name,
+        f"must be a whole number from 1 to {maximum}, or unset for no limit; got {_show(value)}",
+    )
 
 
 def validate_priority(value: object) -> Priority:
@@ -196,22 +219,36 @@ def validate_priority(value: object) -> Priority:
         return "interactive"
     if value == "batch":
         return "batch"
-    raise KeySpecError("priority", f"must be one of {', '.join(PRIORITIES)}, got {value!r}")
+    raise KeySpecError("priority", f"must be one of {', '.join(PRIORITIES)}, got {_show(value)}")
 
 
 def validate_expires_days(value: object) -> float | None:
+    """Days until the key expires: above 0, at most MAX_EXPIRES_DAYS; None: never."""
     if value is None:
         return None
+    # Compared before any float(): a huge int would overflow it; NaN fails both bounds.
     if (
         isinstance(value, bool)
         or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or value <= 0
+        or not 0 < value <= MAX_EXPIRES_DAYS
     ):
         raise KeySpecError(
-            "expires_days", f"must be a positive number of days or unset, got {value!r}"
+            "expires_days",
+            f"must be a number of days above 0 and at most {MAX_EXPIRES_DAYS}, or unset "
+            f"for never; got {_show(value)}",
         )
     return float(value)
+
+
+def validate_key_id(value: object) -> str:
+    """A key's public id as `keys list` shows it (8 hex characters; ASCII only, case and
+    surrounding spaces forgiven), in its stored lower-case form."""
+    text = value.strip() if isinstance(value, str) else None
+    if text is None or not _ID_INPUT_RE.fullmatch(text):
+        raise KeySpecError(
+            "id", f"must be a key id: 8 hex characters as `keys list` shows; got {_show(value)}"
+        )
+    return text.lower()
 
 
 # --- the file format -------------------------------------------------------------------
@@ -229,42 +266,37 @@ def _parse_record(item: object, where: str) -> KeyRecord:
     key_id, name, scopes = need("id"), need("name"), need("scopes")
     rpm, tpm, priority = need("rpm"), need("tpm"), need("priority")
     created_at, expires_at, key_hash = need("created_at"), need("expires_at"), need("key_hash")
-    if not isinstance(key_id, str) or not _ID_RE.fullmatch(key_id):
-        raise ValueError(f"{where}.id = {key_id!r}: must be 8 lower-case hex characters")
-    if not isinstance(name, str):
-        raise ValueError(f"{where}.name = {name!r}: must be a string")
-    if (
-        not isinstance(scopes, list)
-        or not scopes
-        or not all(isinstance(s, str) and s in SCOPES for s in scopes)
-    ):
-        raise ValueError(
-            f"{where}.scopes = {scopes!r}: must be a non-empty list of " + ", ".join(sorted(SCOPES))
+    # The fields a user gives go through the same validators as `keys create` and the
+    # admin API: a hand-edited file is held to the same bounds, with the same words.
+    try:
+        if not isinstance(key_id, str) or not _ID_RE.fullmatch(key_id):
+            raise KeySpecError("id", f"must be 8 lower-case hex characters, got {_show(key_id)}")
+        record = KeyRecord(
+            id=key_id,
+            name=validate_name(name),
+            scopes=validate_scopes(scopes),
+            rpm=validate_limit("rpm", rpm),
+            tpm=validate_limit("tpm", tpm),
+            priority=validate_priority(priority),
+            created_at=_stored_time("created_at", created_at),
+            expires_at=None if expires_at is None else _stored_time("expires_at", expires_at),
+            key_hash=key_hash if isinstance(key_hash, str) else "",
         )
-    for label, limit in (("rpm", rpm), ("tpm", tpm)):
-        if limit is not None and (not _is_int(limit) or limit <= 0):
-            raise ValueError(f"{where}.{label} = {limit!r}: must be a positive integer or null")
-    if priority not in PRIORITIES:
-        raise ValueError(
-            f"{where}.priority = {priority!r}: must be one of " + ", ".join(PRIORITIES)
-        )
-    if not _is_number(created_at):
-        raise ValueError(f"{where}.created_at = {created_at!r}: must be a number")
-    if expires_at is not None and not _is_number(expires_at):
-        raise ValueError(f"{where}.expires_at = {expires_at!r}: must be a number or null")
-    if not isinstance(key_hash, str) or not _HASH_RE.fullmatch(key_hash):
-        raise ValueError(f"{where}.key_hash: must be 64 lower-case hex characters (sha256)")
-    return KeyRecord(
-        id=key_id,
-        name=name,
-        scopes=frozenset(scopes),
-        rpm=rpm,
-        tpm=tpm,
-        priority=priority,
-        created_at=float(created_at),
-        expires_at=None if expires_at is None else float(expires_at),
-        key_hash=key_hash,
-    )
+        if not _HASH_RE.fullmatch(record.key_hash):
+            raise KeySpecError("key_hash", "must be 64 lower-case hex characters (sha256)")
+    except KeySpecError as exc:
+        raise ValueError(f"{where}.{exc.field}: {exc.reason}") from None
+    return record
+
+
+def _stored_time(field_name: str, value: object) -> float:
+    """A Unix time from the file: a finite number."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        with contextlib.suppress(OverflowError):  # an int too large for a float
+            number = float(value)
+            if math.isfinite(number):
+                return number
+    raise KeySpecError(field_name, f"must be a number (Unix time), got {_show(value)}")
 
 
 def parse_keys_document(data: bytes, source: str) -> dict[str, KeyRecord]:
@@ -296,7 +328,16 @@ def parse_keys_document(data: bytes, source: str) -> dict[str, KeyRecord]:
 
 def render_keys_document(records: Iterable[KeyRecord]) -> bytes:
     doc = {"version": FILE_VERSION, "keys": [r.stored_dict() for r in records]}
-    return (json.dumps(doc, indent=2) + "\n").encode("utf-8")
+    try:
+        # allow_nan=False: json.dumps would write Infinity/NaN, which is not JSON and
+        # would leave a file that every later read refuses. The validators keep such
+        # values out; this is the last line should one slip past them.
+        text = json.dumps(doc, indent=2, allow_nan=False)
+    except ValueError as exc:
+        raise KeysFileError(
+            f"refusing to write a keys file with a non-finite number ({exc})"
+        ) from None
+    return (text + "\n").encode("utf-8")
 
 
 # --- files -----------------------------------------------------------------------------
@@ -319,25 +360,94 @@ def _ensure_dir(directory: Path) -> None:
         ) from None
 
 
-def _owner_reference(path: Path) -> os.stat_result | None:
-    """Whose file this should stay: the file's owner, else the directory's."""
-    for candidate in (path, path.parent):
-        try:
-            return os.stat(candidate)
-        except OSError:
-            continue
+# Files are opened without following a symbolic link in their last component, and never
+# block on a FIFO: the directory belongs to the service account, so when root runs
+# `sudo llm-appliance keys ...` anything in it may have been planted there.
+_SAFE_OPEN = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+def _owner_reference(path: Path) -> tuple[int, int] | None:
+    """Whose file this should stay: the file's owner when it is a plain file of its own
+    (lstat: a symlink planted in its place must not choose), else the directory's."""
+    with contextlib.suppress(OSError):
+        st = os.lstat(path)
+        if stat.S_ISREG(st.st_mode) and st.st_nlink == 1:
+            return st.st_uid, st.st_gid
+    with contextlib.suppress(OSError):
+        st = os.stat(path.parent)
+        return st.st_uid, st.st_gid
     return None
 
 
 def _match_owner(fd: int, path: Path) -> None:
     """When root edits the daemon's files (`sudo llm-appliance keys ...`), keep them the
-    daemon's: a 0600 file that root took over would lock the service user out."""
+    daemon's: a 0600 file that root took over would lock the service user out. ``fd``
+    must be a file this process made or checked (see :func:`_check_lock_file`)."""
     if os.geteuid() != 0:
         return
     ref = _owner_reference(path)
-    if ref is not None and (ref.st_uid, ref.st_gid) != (0, 0):
+    if ref is not None and ref != (0, 0):
         with contextlib.suppress(OSError):
-            os.fchown(fd, ref.st_uid, ref.st_gid)
+            os.fchown(fd, *ref)
+
+
+def _refuse_link(path: Path, what: str) -> KeysFileError:
+    return KeysFileError(
+        f"refusing to use {what} {path}: it is a symbolic link, which the appliance never "
+        "makes (remove it and try again)"
+    )
+
+
+def _check_lock_file(fd: int, lock_path: Path, keys_path: Path) -> None:
+    """The lock file opened is one the appliance could have made: a regular file with one
+    link, owned by us or by the keys file's owner. Anything else (a hard link to another
+    file, a device, someone else's file) is refused before it is chowned or locked."""
+    st = os.fstat(fd)
+    ref = _owner_reference(keys_path)
+    owners = {os.geteuid()} | ({ref[0]} if ref else set())
+    if not stat.S_ISREG(st.st_mode):
+        problem = "it is not a regular file"
+    elif st.st_nlink != 1:
+        problem = f"it has {st.st_nlink} hard links (another file's content)"
+    elif st.st_uid not in owners:
+        problem = f"it belongs to uid {st.st_uid}, not to the keys file's owner"
+    else:
+        return
+    raise KeysFileError(f"refusing to use lock file {lock_path}: {problem} (remove it)")
+
+
+def _lock_error(keys_path: Path, lock_path: Path, exc: OSError) -> KeysFileError:
+    return KeysFileError(
+        f"cannot lock keys file {keys_path} (lock file {lock_path}: {exc.strerror or exc})"
+    )
+
+
+def _open_lock_file(lock_path: Path, keys_path: Path) -> int:
+    """Open (creating it 0600 if missing) the lock file, never through a symlink; the fd
+    is checked with :func:`_check_lock_file`. KeysFileError naming the file otherwise."""
+    flags = os.O_RDWR | _SAFE_OPEN
+    for _ in range(3):  # it may vanish or appear between the two opens
+        try:
+            return os.open(lock_path, flags | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            pass  # O_EXCL also fails on a symlink: the next open says which
+        except OSError as exc:
+            raise _lock_error(keys_path, lock_path, exc) from None
+        try:
+            fd = os.open(lock_path, flags)
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise _refuse_link(lock_path, "lock file") from None
+            raise _lock_error(keys_path, lock_path, exc) from None
+        try:
+            _check_lock_file(fd, lock_path, keys_path)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+    raise KeysFileError(f"cannot lock keys file {keys_path}: {lock_path} keeps changing")
 
 
 def atomic_write(path: Path, data: bytes, mode: int = 0o600) -> None:
@@ -350,7 +460,8 @@ def atomic_write(path: Path, data: bytes, mode: int = 0o600) -> None:
     _ensure_dir(directory)
     tmp = directory / f".{path.name}.{secrets.token_hex(6)}.tmp"
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+        # O_EXCL: a new file of ours, never an existing one or a symlink's target.
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _SAFE_OPEN, mode)
     except OSError as exc:
         raise KeysFileError(
             f"cannot write {path} (creating a file in {directory}: {exc.strerror or exc})"
@@ -420,16 +531,24 @@ class KeyStore:
     def read(self) -> tuple[bytes | None, Signature | None]:
         """The file's bytes and signature, (None, None) when it does not exist."""
         try:
-            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+            # Never through a symlink: the appliance always writes a plain file (by
+            # rename), and root must not be made to read some other file as keys.
+            fd = os.open(self.path, os.O_RDONLY | _SAFE_OPEN)
         except FileNotFoundError:
             return None, None
         except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise _refuse_link(self.path, "keys file") from None
             raise KeysFileError(
                 f"keys file {self.path} cannot be read ({exc.strerror or exc})"
             ) from None
         try:
             with os.fdopen(fd, "rb") as f:
                 st = os.fstat(f.fileno())
+                if not stat.S_ISREG(st.st_mode):
+                    raise KeysFileError(
+                        f"keys file {self.path} cannot be read (not a regular file)"
+                    )
                 data = f.read()
         except OSError as exc:
             raise KeysFileError(
@@ -489,13 +608,7 @@ class KeyStore:
         """Exclusive flock on the sibling lock file, for a read-modify-write. Not
         re-entrant."""
         _ensure_dir(self.path.parent)
-        try:
-            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        except OSError as exc:
-            raise KeysFileError(
-                f"cannot lock keys file {self.path} (lock file "
-                f"{self.lock_path}: {exc.strerror or exc})"
-            ) from None
+        fd = _open_lock_file(self.lock_path, self.path)
         try:
             _match_owner(fd, self.path)  # the keys file's owner, else the directory's
             deadline = time.monotonic() + timeout_s
@@ -535,12 +648,12 @@ class KeyStore:
 
     def new_key(
         self,
-        name: str,
-        scopes: Iterable[str] | None = None,
-        rpm: int | None = None,
-        tpm: int | None = None,
-        priority: str | None = "interactive",
-        expires_days: float | None = None,
+        name: object,
+        scopes: object = None,
+        rpm: object = None,
+        tpm: object = None,
+        priority: object = "interactive",
+        expires_days: object = None,
         now: float | None = None,
     ) -> tuple[KeyRecord, str]:
         """A validated new record and its full key, not yet added or saved."""
@@ -573,12 +686,12 @@ class KeyStore:
 
     def create(
         self,
-        name: str,
-        scopes: Iterable[str] | None = None,
-        rpm: int | None = None,
-        tpm: int | None = None,
-        priority: str | None = "interactive",
-        expires_days: float | None = None,
+        name: object,
+        scopes: object = None,
+        rpm: object = None,
+        tpm: object = None,
+        priority: object = "interactive",
+        expires_days: object = None,
     ) -> tuple[KeyRecord, str]:
         """Add a key and save; returns (record, full key ``sk-la-<id>-<secret>``). The full
         key exists only in this return value. KeySpecError for bad arguments (nothing is

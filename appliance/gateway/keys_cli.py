@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from datetime import UTC, datetime
@@ -18,25 +19,32 @@ from pathlib import Path
 
 from appliance.config import load_config
 from appliance.gateway.keys import (
+    MAX_EXPIRES_DAYS,
+    MAX_RPM,
+    MAX_TPM,
     PRIORITIES,
     SCOPES,
     KeyRecord,
     KeysFileError,
     KeySpecError,
     KeyStore,
+    validate_key_id,
 )
 
+# Explicit ASCII ranges (never \d, which takes any Unicode digit); longer numbers are out
+# of every bound anyway.
+_ASCII_NUMBER = re.compile(r"[0-9]{1,12}(?:\.[0-9]{1,6})?")
 COLUMNS = ("ID", "NAME", "SCOPES", "RPM", "TPM", "PRIORITY", "EXPIRES", "CREATED", "STATUS")
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be a positive integer")
-    return value
+def _number(text: str | None) -> int | float | str | None:
+    """A number typed on the command line, read as JSON would give it to the admin API:
+    ASCII digits make an int, with a decimal point a float. Anything else (``x``, ``-1``,
+    ``1e3``, Unicode digits such as ``١٢`` that int() would take) goes to the field's
+    validator as it is, which refuses it with the same message the admin API gives."""
+    if text is None or not _ASCII_NUMBER.fullmatch(text):
+        return text
+    return float(text) if "." in text else int(text)
 
 
 def _store(args: argparse.Namespace) -> KeyStore:
@@ -62,13 +70,15 @@ def _status(record: KeyRecord, now: float) -> str:
 def cmd_create(args: argparse.Namespace) -> int:
     store = _store(args)
     try:
+        # Every field is checked by keys.py's validators (as for POST /admin/keys), so a
+        # bad value gets one line naming the field and exit 2, not argparse's own words.
         record, key = store.create(
             name=args.name,
             scopes=args.scope,
-            rpm=args.rpm,
-            tpm=args.tpm,
+            rpm=_number(args.rpm),
+            tpm=_number(args.tpm),
             priority=args.priority,
-            expires_days=args.expires_days,
+            expires_days=_number(args.expires_days),
         )
     except KeySpecError as exc:
         return _fail(exc, 2)
@@ -121,9 +131,11 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 def cmd_revoke(args: argparse.Namespace) -> int:
     store = _store(args)
-    key_id = args.id.strip().lower()
     try:
+        key_id = validate_key_id(args.id)
         removed = store.revoke(key_id)
+    except KeySpecError as exc:
+        return _fail(exc, 2)
     except KeysFileError as exc:
         return _fail(exc)
     if not removed:
@@ -154,26 +166,27 @@ def add_parser(
         description="Create a key; it is printed once, alone on the first line of stdout.",
     )
     p.add_argument("--name", required=True, help="who or what the key is for (<= 64 chars)")
+    # No argparse `type`/`choices` here: keys.py validates every field (one message per
+    # field, shared with the admin API); the metavars show what is allowed.
     p.add_argument(
         "--scope",
         action="append",
-        choices=sorted(SCOPES),
+        metavar="{" + ",".join(sorted(SCOPES)) + "}",
         default=None,
         help="user (/v1), metrics (/metrics), admin (everything); repeatable; default: user",
     )
-    p.add_argument("--rpm", type=_positive_int, metavar="N", help="requests per minute")
-    p.add_argument("--tpm", type=_positive_int, metavar="N", help="tokens per minute")
+    p.add_argument("--rpm", metavar="N", help=f"requests per minute, 1..{MAX_RPM}")
+    p.add_argument("--tpm", metavar="N", help=f"tokens per minute, 1..{MAX_TPM}")
     p.add_argument(
         "--priority",
-        choices=PRIORITIES,
+        metavar="{" + ",".join(PRIORITIES) + "}",
         default="interactive",
         help="batch is shed first under pressure (default: interactive)",
     )
     p.add_argument(
         "--expires-days",
-        type=_positive_int,
         metavar="N",
-        help="the key stops working after N days (default: never)",
+        help=f"the key stops working after N days, at most {MAX_EXPIRES_DAYS} (default: never)",
     )
     p.set_defaults(func=cmd_create)
 

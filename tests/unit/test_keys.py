@@ -31,6 +31,7 @@ from appliance.gateway.keys import (
 )
 
 LOGGER = "appliance.gateway.keys"
+ADMIN_KEY = keys_mod.ADMIN_KEY_FILE
 
 
 def _mode(path: Path) -> int:
@@ -246,6 +247,24 @@ def test_required_scope(path: str, scope: str | None) -> None:
         ({"name": "x", "expires_days": 0}, "expires_days"),
         ({"name": "x", "expires_days": -1}, "expires_days"),
         ({"name": "x", "expires_days": float("inf")}, "expires_days"),
+        # Bounds (issue 10, item 8): each of these used to be stored, and then either
+        # bricked the file (Infinity) or made every request with the key a 500.
+        ({"name": "x", "expires_days": 1e304}, "expires_days"),
+        ({"name": "x", "expires_days": 10**400}, "expires_days"),
+        ({"name": "x", "expires_days": keys_mod.MAX_EXPIRES_DAYS + 1}, "expires_days"),
+        ({"name": "x", "expires_days": float("nan")}, "expires_days"),
+        ({"name": "x", "expires_days": "7"}, "expires_days"),
+        ({"name": "x", "rpm": 10**400}, "rpm"),
+        ({"name": "x", "rpm": keys_mod.MAX_RPM + 1}, "rpm"),
+        ({"name": "x", "tpm": 10**400}, "tpm"),
+        ({"name": "x", "tpm": keys_mod.MAX_TPM + 1}, "tpm"),
+        ({"name": "x", "tpm": float("inf")}, "tpm"),
+        ({"name": "x", "scopes": 5}, "scopes"),
+        ({"name": "x", "scopes": {"user": 1}}, "scopes"),
+        ({"name": "x", "scopes": [["user"]]}, "scopes"),
+        ({"name": "x", "scopes": [{"a": 1}]}, "scopes"),
+        ({"name": "x", "priority": ["batch"]}, "priority"),
+        ({"name": 5}, "name"),
     ],
 )
 def test_create_validates_its_arguments(
@@ -254,7 +273,9 @@ def test_create_validates_its_arguments(
     with pytest.raises(KeySpecError) as info:
         store.create(**kwargs)
     assert info.value.field == field
-    assert str(info.value).startswith(field + ":")
+    message = str(info.value)
+    assert message.startswith(field + ":")
+    assert "\n" not in message and len(message) < 200, message
     assert not keys_path.exists()
 
 
@@ -270,6 +291,70 @@ def test_create_accepts_the_edges(store: KeyStore) -> None:
     assert rec.name == "x" * 64 and rec.rpm == 1 and rec.tpm == 1
     assert rec.expires_at is not None
     assert rec.expires_at - rec.created_at == pytest.approx(43200, abs=0.01)
+    top, _ = store.create(
+        name="top",
+        rpm=keys_mod.MAX_RPM,
+        tpm=keys_mod.MAX_TPM,
+        expires_days=keys_mod.MAX_EXPIRES_DAYS,
+    )
+    again = KeyStore(store.path)
+    again.load()  # what was written reads back: finite JSON numbers
+    assert again.get(top.id) == top
+
+
+@pytest.mark.parametrize(
+    ("given", "stored"),
+    [("deadbeef", "deadbeef"), ("DEADBEEF", "deadbeef"), (" 0a1b2c3d\n", "0a1b2c3d")],
+)
+def test_validate_key_id_accepts_ids_as_keys_list_shows_them(given: str, stored: str) -> None:
+    assert keys_mod.validate_key_id(given) == stored
+
+
+@pytest.mark.parametrize(
+    "given",
+    ["", "deadbee", "deadbeef0", "xyzxyzxy", "\uff10" * 8, "\u0660" * 8, "%00", None, 12345678],
+)
+def test_validate_key_id_refuses_anything_else(given: object) -> None:
+    with pytest.raises(KeySpecError) as info:
+        keys_mod.validate_key_id(given)
+    assert info.value.field == "id" and str(info.value).startswith("id: ")
+
+
+def test_the_file_is_held_to_the_same_bounds_with_the_same_words(
+    store: KeyStore, keys_path: Path
+) -> None:
+    rec, _ = store.create(name="a")
+    good = rec.stored_dict()
+    for field, value in [
+        ("rpm", 10**400),
+        ("tpm", keys_mod.MAX_TPM + 1),
+        ("scopes", 5),
+        ("created_at", 10**400),  # used to escape as an OverflowError
+        ("expires_at", 10**400),
+    ]:
+        _write_doc(keys_path, {"version": 1, "keys": [{**good, field: value}]})
+        with pytest.raises(KeysFileError, match=rf"keys\[0\]\.{field}: ") as info:
+            KeyStore(keys_path).load()
+        if field in ("rpm", "tpm", "scopes"):
+            with pytest.raises(KeySpecError) as api:
+                KeyStore(keys_path.with_name("other.json")).new_key("a", **{field: value})
+            assert api.value.reason in str(info.value)
+
+
+def test_non_finite_numbers_are_never_written(keys_path: Path) -> None:
+    record = KeyRecord(
+        id="0123abcd",
+        name="a",
+        scopes=frozenset({"user"}),
+        rpm=None,
+        tpm=None,
+        priority="interactive",
+        created_at=time.time(),
+        expires_at=float("inf"),
+        key_hash="0" * 64,
+    )
+    with pytest.raises(KeysFileError, match="non-finite"):
+        keys_mod.render_keys_document([record])
 
 
 # --- the file --------------------------------------------------------------------------
@@ -634,3 +719,110 @@ def test_root_editing_the_daemons_file_keeps_it_the_daemons(tmp_path: Path) -> N
         st = os.stat(state / name)
         assert (st.st_uid, st.st_gid) == (65534, 65534)
         assert stat.S_IMODE(st.st_mode) == 0o600
+
+
+# --- files the service account may have planted (issue 10, item 7) ----------------------
+#
+# The keys directory belongs to the service account; root runs `sudo llm-appliance keys
+# ...` in it. Whatever the account left there must not make root write, chown or read
+# another file. Run as root (as CI does), the directory is nobody's, as in production.
+
+
+def _snapshot(path: Path) -> tuple[bytes, int, int, int]:
+    st = os.stat(path)
+    return path.read_bytes(), st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)
+
+
+@pytest.fixture
+def daemon_dir(tmp_path: Path) -> Path:
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    if os.geteuid() == 0:
+        os.chown(state, 65534, 65534)
+    return state
+
+
+@pytest.fixture
+def victim(tmp_path: Path) -> Path:
+    """A file root owns that the service account must never get: /etc/shadow's stand-in."""
+    path = tmp_path / "shadow"
+    path.write_bytes(b"root:$6$not-yours:19000:0:99999:7:::\n")
+    os.chmod(path, 0o640)
+    return path
+
+
+def _assert_one_line_naming(exc: KeysFileError, path: Path, words: str) -> None:
+    message = str(exc)
+    assert str(path) in message and words in message, message
+    assert "\n" not in message
+
+
+def test_a_symlinked_lock_file_is_refused_and_its_target_untouched(
+    daemon_dir: Path, victim: Path
+) -> None:
+    keys_path = daemon_dir / "keys.json"
+    KeyStore(keys_path).create(name="a")
+    lock = daemon_dir / "keys.json.lock"
+    lock.unlink()
+    lock.symlink_to(victim)
+    before, keys_before = _snapshot(victim), keys_path.read_bytes()
+    with pytest.raises(KeysFileError) as info:
+        KeyStore(keys_path).create(name="b")
+    _assert_one_line_naming(info.value, lock, "symbolic link")
+    assert _snapshot(victim) == before  # content, owner and mode
+    assert keys_path.read_bytes() == keys_before
+    with pytest.raises(KeysFileError, match="symbolic link"):
+        KeyStore(keys_path).revoke("00000000")
+
+
+def test_a_dangling_lock_symlink_creates_nothing(daemon_dir: Path, tmp_path: Path) -> None:
+    target = tmp_path / "cron.d-job"  # O_CREAT through the link would make this file
+    (daemon_dir / "keys.json.lock").symlink_to(target)
+    with pytest.raises(KeysFileError, match="symbolic link"):
+        KeyStore(daemon_dir / "keys.json").create(name="a")
+    assert not target.exists() and not target.is_symlink()
+
+
+def test_a_hard_linked_lock_file_is_refused_and_its_target_untouched(
+    daemon_dir: Path, victim: Path
+) -> None:
+    os.link(victim, daemon_dir / "keys.json.lock")
+    before = _snapshot(victim)
+    with pytest.raises(KeysFileError) as info:
+        KeyStore(daemon_dir / "keys.json").create(name="a")
+    _assert_one_line_naming(info.value, daemon_dir / "keys.json.lock", "hard links")
+    assert _snapshot(victim) == before
+
+
+def test_a_lock_that_is_not_a_regular_file_is_refused(daemon_dir: Path) -> None:
+    os.mkfifo(daemon_dir / "keys.json.lock", 0o600)
+    with pytest.raises(KeysFileError, match="not a regular file"):
+        KeyStore(daemon_dir / "keys.json").create(name="a")
+
+
+def test_a_symlinked_keys_file_is_refused_not_read(daemon_dir: Path, victim: Path) -> None:
+    keys_path = daemon_dir / "keys.json"
+    keys_path.symlink_to(victim)
+    before = _snapshot(victim)
+    for action in (KeyStore(keys_path).load, lambda: KeyStore(keys_path).create(name="a")):
+        with pytest.raises(KeysFileError) as info:
+            action()
+        _assert_one_line_naming(info.value, keys_path, "symbolic link")
+    assert _snapshot(victim) == before
+    assert keys_path.is_symlink()
+
+
+def test_a_fifo_as_keys_file_is_refused_without_hanging(daemon_dir: Path) -> None:
+    os.mkfifo(daemon_dir / "keys.json", 0o600)  # an open without O_NONBLOCK waits forever
+    with pytest.raises(KeysFileError, match="not a regular file"):
+        KeyStore(daemon_dir / "keys.json").load()
+
+
+def test_a_symlinked_admin_key_is_replaced_not_followed(daemon_dir: Path, victim: Path) -> None:
+    admin = daemon_dir / ADMIN_KEY
+    admin.symlink_to(victim)
+    before = _snapshot(victim)
+    assert ensure_admin_key(KeyStore(daemon_dir / "keys.json")) == admin
+    assert _snapshot(victim) == before
+    assert not admin.is_symlink() and _mode(admin) == 0o600
+    assert parse_key_id(admin.read_text().strip()) is not None

@@ -6,13 +6,21 @@ import argparse
 import json
 import os
 import stat
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from appliance.gateway import keys_cli
-from appliance.gateway.keys import KeyStore
+from appliance.gateway.keys import (
+    MAX_EXPIRES_DAYS,
+    MAX_RPM,
+    MAX_TPM,
+    KeySpecError,
+    KeyStore,
+)
 
 Run = Callable[..., tuple[int, str, str]]
 
@@ -103,21 +111,65 @@ def test_create_with_every_option(run: Run, keys_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "extra",
+    ("extra", "field"),
     [
-        ["--scope", "root"],
-        ["--rpm", "0"],
-        ["--tpm", "x"],
-        ["--priority", "urgent"],
-        ["--expires-days", "-1"],
+        (["--scope", "root"], "scopes"),
+        (["--rpm", "0"], "rpm"),
+        (["--tpm", "x"], "tpm"),
+        (["--priority", "urgent"], "priority"),
+        (["--expires-days", "-1"], "expires_days"),
+        # Bounds (issue 10, item 8): these were stored and broke the key or the file.
+        (["--rpm", "1" + "0" * 400], "rpm"),
+        (["--rpm", str(MAX_RPM + 1)], "rpm"),
+        (["--rpm", "1.5"], "rpm"),
+        (["--tpm", str(MAX_TPM + 1)], "tpm"),
+        (["--expires-days", str(MAX_EXPIRES_DAYS + 1)], "expires_days"),
+        (["--expires-days", "1e304"], "expires_days"),
+        (["--expires-days", "0"], "expires_days"),
+        # Only ASCII digits: int() would read these as 12, 1 and 7.
+        (["--rpm", "\u0661\u0662"], "rpm"),
+        (["--tpm", "\uff11"], "tpm"),
+        (["--expires-days", "\u07c7"], "expires_days"),
+        (["--rpm", "1_000"], "rpm"),
+        (["--rpm", " 7"], "rpm"),
     ],
 )
-def test_create_rejects_bad_options(
-    run: Run, extra: list[str], capsys: pytest.CaptureFixture[str]
+def test_create_rejects_bad_options_with_one_line_naming_the_field(
+    run: Run, keys_path: Path, extra: list[str], field: str
 ) -> None:
-    with pytest.raises(SystemExit) as info:
-        run("keys", "create", "--name", "x", *extra)
-    assert info.value.code == 2
+    code, out, err = run("keys", "create", "--name", "x", *extra)
+    assert code == 2 and out == ""
+    assert err.startswith(f"llm-appliance: {field}: "), err
+    assert err.count("\n") == 1 and len(err) < 200, err
+    assert not keys_path.exists()
+
+
+def test_cli_and_api_give_the_same_message(run: Run, keys_path: Path) -> None:
+    """One validator per field: `keys create` says exactly what POST /admin/keys says."""
+    _, _, err = run("keys", "create", "--name", "x", "--rpm", "0")
+    with pytest.raises(KeySpecError) as api:
+        KeyStore(keys_path).create(name="x", rpm=0)  # what the admin handler calls
+    assert err.strip() == f"llm-appliance: {api.value}"
+
+
+def test_create_accepts_the_maxima(run: Run, keys_path: Path) -> None:
+    code, out, _ = run(
+        "keys",
+        "create",
+        "--name",
+        "x",
+        "--rpm",
+        str(MAX_RPM),
+        "--tpm",
+        str(MAX_TPM),
+        "--expires-days",
+        str(MAX_EXPIRES_DAYS),
+    )
+    assert code == 0
+    store = KeyStore(keys_path)
+    store.load()
+    record = store.authenticate(out.splitlines()[0])
+    assert record is not None and (record.rpm, record.tpm) == (MAX_RPM, MAX_TPM)
 
 
 def test_create_rejects_a_bad_name(run: Run, keys_path: Path) -> None:
@@ -201,6 +253,23 @@ def test_revoke(run: Run, keys_path: Path) -> None:
     assert key_id not in out
 
 
+@pytest.mark.parametrize("bad", ["xyz", "deadbeef0", "\uff44eadbeef", "\u0660" * 8])
+def test_revoke_refuses_a_malformed_id(run: Run, bad: str) -> None:
+    run("keys", "create", "--name", "alice")
+    code, out, err = run("keys", "revoke", bad)
+    assert code == 2 and out == ""
+    assert err.startswith("llm-appliance: id: ") and err.count("\n") == 1, err
+
+
+def test_revoke_takes_the_id_in_upper_case(run: Run, keys_path: Path) -> None:
+    run("keys", "create", "--name", "alice")
+    store = KeyStore(keys_path)
+    store.load()
+    key_id = store.records[0].id
+    code, out, _ = run("keys", "revoke", key_id.upper())
+    assert code == 0 and key_id in out
+
+
 def test_revoke_unknown_id_fails(run: Run) -> None:
     run("keys", "create", "--name", "alice")
     code, out, err = run("keys", "revoke", "deadbeef")
@@ -265,3 +334,38 @@ def test_through_the_real_cli_when_wired(config: Path, capsys: pytest.CaptureFix
     assert cli.main(["--config", str(config), "keys", "list"]) == 0
     assert capsys.readouterr().out.splitlines()[1].startswith(key.split("-")[2])
     assert cli.main(["keys", "revoke", "--config", str(config), "00000000"]) != 0
+
+
+def test_a_symlinked_lock_is_refused_with_one_line_and_exit_1(
+    tmp_path: Path, config: Path, keys_path: Path
+) -> None:
+    """Issue 10, item 7, end to end: `sudo llm-appliance keys create` with the lock file
+    planted as a symlink to a root file: one line naming the lock file, exit 1, no
+    traceback, and the target keeps its content, owner and mode."""
+    keys_path.parent.mkdir(mode=0o700)
+    victim = tmp_path / "shadow"
+    victim.write_bytes(b"root:$6$not-yours:19000:0:99999:7:::\n")
+    os.chmod(victim, 0o640)
+    if os.geteuid() == 0:
+        os.chown(keys_path.parent, 65534, 65534)  # the service account's directory
+    lock = keys_path.with_name("keys.json.lock")
+    lock.symlink_to(victim)
+    before = (victim.read_bytes(), os.stat(victim))
+    argv = ["keys", "create", "--config", str(config), "--name", "x"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "appliance.cli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert str(lock) in proc.stderr and "symbolic link" in proc.stderr
+    after = os.stat(victim)
+    assert victim.read_bytes() == before[0]
+    assert (after.st_uid, after.st_gid, after.st_mode) == (
+        before[1].st_uid,
+        before[1].st_gid,
+        before[1].st_mode,
+    )
