@@ -3,51 +3,146 @@
 It reads ``GET /admin/status`` (scope admin). The key comes from ``--key``, else
 ``$LLM_APPLIANCE_KEY``, else the ``admin.key`` that first start wrote beside the keys
 file, so an admin on the box needs no flags.
+
+Over HTTPS the admin key goes only to a server whose certificate checks out: the system's
+CAs and the URL's host name by default, ``--cacert PATH`` to trust a CA or a self-signed
+certificate instead, and ``--insecure`` (said out loud, with a warning) to skip the check.
+Without ``--url`` the address is the config's own gateway, and the certificate it must
+present is the config's own ``tls_cert`` (pinned: that exact certificate, whatever name
+it was made for), so ``status`` on the box needs no flags with TLS either.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
+import re
 import ssl
+import stat
 import sys
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from appliance.config import load_config
+from appliance.gateway.keys import parse_key_id
+
+ADMIN_KEY_MAX_BYTES = 4096
+_PEM_CERT_RE = re.compile(
+    r"-----BEGIN CERTIFICATE-----[A-Za-z0-9+/=\s]+-----END CERTIFICATE-----", re.ASCII
+)
 
 
-def _default_url(args: argparse.Namespace) -> str:
+class TLSOptionError(ValueError):
+    """--cacert or the configured certificate cannot be used; exit 2."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where status asks, and which certificate it accepts there."""
+
+    url: str
+    cacert: str | None = None  # trust these CAs (or this self-signed certificate)
+    pinned_cert: str | None = None  # accept exactly this certificate (PEM), any name
+    insecure: bool = False  # no certificate check at all
+
+
+def _default_target(args: argparse.Namespace) -> Target:
     g = load_config(args.config).gateway
     host = "127.0.0.1" if g.host in ("0.0.0.0", "::") else g.host
     host = f"[{host}]" if ":" in host else host
-    return f"{'https' if g.tls_cert else 'http'}://{host}:{g.port}"
+    url = f"{'https' if g.tls_cert else 'http'}://{host}:{g.port}"
+    return Target(url, pinned_cert=_first_certificate(g.tls_cert) if g.tls_cert else None)
+
+
+def _first_certificate(path: str) -> str | None:
+    """The first certificate of a PEM file (the server's own, before any chain); None when
+    it cannot be read (then the usual checks apply)."""
+    try:
+        text = Path(path).read_text(encoding="ascii", errors="replace")
+    except OSError:
+        return None
+    m = _PEM_CERT_RE.search(text)
+    return m.group(0) if m else None
+
+
+def ssl_context(target: Target) -> ssl.SSLContext | None:
+    """The TLS settings for ``target``: None for http://. Certificates and host names are
+    checked unless ``insecure``. TLSOptionError when --cacert cannot be loaded."""
+    if not target.url.lower().startswith("https://"):
+        return None
+    if target.insecure:
+        ctx = ssl.create_default_context()
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+        return ctx
+    if target.cacert:
+        try:
+            return ssl.create_default_context(cafile=target.cacert)
+        except (OSError, ssl.SSLError) as exc:
+            reason = getattr(exc, "strerror", None) or getattr(exc, "reason", None) or exc
+            raise TLSOptionError(f"cannot load --cacert {target.cacert}: {reason}") from None
+    if target.pinned_cert:
+        # The only trust anchor is the gateway's own certificate, so only a server holding
+        # its private key can answer; which name it was made for does not matter then
+        # (the box's LAN name, while status asks 127.0.0.1). PARTIAL_CHAIN lets a
+        # certificate that is not self-signed (one a CA issued) be that anchor.
+        try:
+            ctx = ssl.create_default_context(cadata=target.pinned_cert)
+        except ssl.SSLError:
+            return ssl.create_default_context()
+        ctx.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN
+        ctx.check_hostname = False
+        return ctx
+    return ssl.create_default_context()
+
+
+def _read_admin_key(path: Path) -> str | None:
+    """The key in admin.key, or None. The file lives in the service account's directory,
+    and whatever is read here is sent to the gateway: so never through a symlink (root
+    must not be made to send /etc/shadow), only a small regular file, and only a
+    well-formed key."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            _warn(f"ignoring {path}: it is a symbolic link")
+        return None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            _warn(f"ignoring {path}: it is not a regular file")
+            return None
+        key = f.read(ADMIN_KEY_MAX_BYTES).decode("ascii", errors="replace").strip()
+    if parse_key_id(key) is None:
+        _warn(f"ignoring {path}: it does not hold an llm-appliance key")
+        return None
+    return key
 
 
 def _default_key(args: argparse.Namespace) -> str | None:
     if os.environ.get("LLM_APPLIANCE_KEY"):
         return os.environ["LLM_APPLIANCE_KEY"]
     admin_key = Path(load_config(args.config).gateway.keys_file).with_name("admin.key")
-    try:
-        return admin_key.read_text().strip() or None
-    except OSError:
-        return None
+    return _read_admin_key(admin_key)
 
 
-def fetch_status(url: str, key: str | None, timeout: float = 5.0) -> dict[str, Any]:
+def _warn(message: str) -> None:
+    print(f"llm-appliance status: {message}", file=sys.stderr)
+
+
+def fetch_status(
+    url: str, key: str | None, timeout: float = 5.0, context: ssl.SSLContext | None = None
+) -> dict[str, Any]:
+    """GET /admin/status. ``context``: see :func:`ssl_context` (None for http://; for
+    https:// None means the default checks)."""
     req = urllib.request.Request(
         url.rstrip("/") + "/admin/status", headers={"Authorization": f"Bearer {key}"} if key else {}
     )
-    ctx = None
-    if url.startswith("https://"):
-        # The appliance usually has a self-signed certificate; status is read-only.
-        ctx = ssl.create_default_context()
-        ctx.check_hostname = False
-        ctx.verify_mode = ssl.CERT_NONE
-    with urllib.request.urlopen(req, timeout=timeout, context=ctx) as resp:
+    with urllib.request.urlopen(req, timeout=timeout, context=context) as resp:
         data: dict[str, Any] = json.loads(resp.read())
     return data
 
@@ -80,7 +175,7 @@ def render_table(doc: dict[str, Any]) -> str:
             (
                 str(e["id"]),
                 _fmt(e["gpu"]),
-                str(e["port"]),
+                _fmt(e.get("port")),  # null when the engine listens on a Unix socket
                 e["state"],
                 str(e["inflight"]),
                 str(e["throttle_level"]),
@@ -116,26 +211,63 @@ def render_table(doc: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+def _target(args: argparse.Namespace) -> Target:
+    if args.url:
+        return Target(args.url, cacert=args.cacert, insecure=args.insecure)
+    default = _default_target(args)
+    if args.cacert or args.insecure:
+        return Target(default.url, cacert=args.cacert, insecure=args.insecure)
+    return default
+
+
+def _unreachable(target: Target, exc: OSError | ValueError) -> str:
+    """One line saying why ``target`` gave no answer, with what to do about it."""
+    url, reason = target.url, getattr(exc, "reason", exc)
+    if isinstance(reason, ssl.SSLCertVerificationError):
+        why = (reason.verify_message or str(reason)).rstrip(".")
+        if target.cacert:
+            hint = f"check that {target.cacert} is the gateway's certificate or its CA"
+            if "mismatch" in why:
+                hint = "give --url the host name the certificate was made for"
+        elif target.pinned_cert:
+            hint = (
+                "it is not the config's gateway.tls_cert, so this is not the gateway "
+                "configured here (pass --url and --cacert to ask another)"
+            )
+        else:
+            hint = (
+                "pass --cacert PATH (the gateway's certificate or its CA), or --insecure to "
+                "send the admin key without checking who receives it"
+            )
+        return f"{url}: the server's certificate is not trusted ({why}); {hint}"
+    if isinstance(reason, ssl.SSLError):
+        return f"{url}: TLS failed ({reason.reason or reason})"
+    return f"cannot reach {url}: {reason} (is the daemon running? systemctl status llm-appliance)"
+
+
 def cmd_status(args: argparse.Namespace) -> int:
-    url = args.url or _default_url(args)
+    target = _target(args)
+    url = target.url
+    try:
+        context = ssl_context(target)
+    except TLSOptionError as exc:
+        _warn(str(exc))
+        return 2
+    if target.insecure and context is not None:
+        _warn("--insecure: the certificate is not checked, so anyone in between gets the key")
     key = args.key or _default_key(args)
     try:
-        doc = fetch_status(url, key)
+        doc = fetch_status(url, key, context=context)
     except urllib.error.HTTPError as exc:
         hint = (
             " (pass --key with an admin key, or set LLM_APPLIANCE_KEY)"
             if exc.code in (401, 403)
             else ""
         )
-        print(f"llm-appliance status: {url} answered {exc.code}{hint}", file=sys.stderr)
+        _warn(f"{url} answered {exc.code}{hint}")
         return 1
     except (OSError, ValueError) as exc:
-        reason = getattr(exc, "reason", exc)
-        print(
-            f"llm-appliance status: cannot reach {url}: {reason} (is the daemon running? "
-            "systemctl status llm-appliance)",
-            file=sys.stderr,
-        )
+        _warn(_unreachable(target, exc))
         return 1
     print(json.dumps(doc, indent=2) if args.json else render_table(doc))
     return 0
@@ -151,6 +283,18 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--key",
         help="an admin key (default: $LLM_APPLIANCE_KEY, else admin.key beside the keys file)",
+    )
+    tls = p.add_mutually_exclusive_group()
+    tls.add_argument(
+        "--cacert",
+        metavar="PATH",
+        help="https: trust the CA certificates in PATH (or this self-signed certificate) "
+        "instead of the system's; the host name is still checked",
+    )
+    tls.add_argument(
+        "--insecure",
+        action="store_true",
+        help="https: do not check the certificate at all (the admin key may reach an impostor)",
     )
     p.add_argument("--json", action="store_true", help="print /admin/status as JSON")
     p.set_defaults(func=cmd_status)
