@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import ssl
 import time
 from pathlib import Path
@@ -31,6 +32,7 @@ from appliance.gateway.keys import (
     KeyWatcher,
     ensure_admin_key,
     required_scope,
+    validate_key_id,
 )
 from appliance.gateway.metrics import GatewayMetrics
 from appliance.gateway.proxy import Relay
@@ -303,11 +305,22 @@ async def admin_status(request: web.Request) -> web.Response:
     return web.json_response(status_document(request.app[GATEWAY]))
 
 
+_ENGINE_ID_RE = re.compile(r"[0-9]+")  # ASCII only: str.isdigit() takes "²" and "١"
+
+
 def _engine_id(request: web.Request) -> int:
+    """The engine a /admin/engines/{id}/... path names: 400 naming ``id`` unless it is a
+    whole number in ASCII digits, 404 when no engine has it."""
     gw = request.app[GATEWAY]
     raw = request.match_info["id"]
-    if not raw.isdigit() or int(raw) >= len(gw.supervisor.engines):
-        raise GatewayError(404, f"no engine {raw!r}", code="unknown_engine")
+    shown = raw if len(raw) <= 20 else raw[:17] + "..."
+    if not _ENGINE_ID_RE.fullmatch(raw):
+        raise GatewayError(
+            400, f"id: engine ids are whole numbers in ASCII digits, got {shown!r}", param="id"
+        )
+    # int() refuses strings of over 4300 digits; no engine has an id that long anyway.
+    if len(raw) > 9 or int(raw) >= len(gw.supervisor.engines):
+        raise GatewayError(404, f"no engine {shown}", code="unknown_engine")
     return int(raw)
 
 
@@ -381,7 +394,10 @@ async def admin_keys_create(request: web.Request) -> web.Response:
 
 async def admin_keys_delete(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
-    key_id = request.match_info["id"]
+    try:
+        key_id = validate_key_id(request.match_info["id"])
+    except KeySpecError as exc:
+        raise GatewayError(400, str(exc), param=exc.field) from None
     try:
         removed = await asyncio.to_thread(gw.keys.revoke, key_id)
     except KeysFileError as exc:
