@@ -10,7 +10,14 @@ The keys file is ``{"version": 1, "keys": [record, ...]}``, mode 0600, always re
 atomically (temp file in the same directory, fsync, rename, fsync the directory), so a
 reader sees the old file or the new one, never half of one. The CLI and the daemon's
 admin endpoints may both change it: every read-modify-write holds an exclusive
-``flock`` on ``<keys file>.lock`` and re-reads the file under that lock.
+``flock`` on ``<keys file>.lock`` and re-reads the file under that lock. The directory
+belongs to the service account while root may run the CLI in it, so nothing there is
+opened through a symlink, and the lock file is checked (regular, one link, expected
+owner) before root locks or chowns it.
+
+Every field a user gives (name, scopes, rpm, tpm, priority, expires_days, key id) has
+one validator here, with fixed maxima, shared by the CLI, the admin API and the file
+parser; a refusal is a :class:`KeySpecError` naming the field.
 
 The daemon holds a :class:`KeyStore` and a :class:`KeyWatcher`; the watcher polls the
 file and swaps the keys in force when it changes (and on SIGHUP, ``reload_now``). A
