@@ -3,8 +3,12 @@ generator, percentiles and tables.
 
 Everything runs on loopback. The daemon is a real ``llm-appliance serve`` process
 (started by ``tests.fakes.appliance_proc.run_appliance``) whose engines are the fast
-fake engine; engine keys are read from ``/proc/<engine pid>/cmdline`` so a client can
-go straight to an engine, bypassing the gateway, for the "direct" side of a comparison.
+fake engine. A client can go straight to an engine, bypassing the gateway, for the
+"direct" side of a comparison: the engine's per-spawn key is read from its environment
+(``VLLM_API_KEY`` in ``/proc/<engine pid>/environ``, readable by the same user), and
+:meth:`Daemon.engine_address` says where it listens (its Unix socket in the daemon's
+runtime directory, or ``127.0.0.1:port_base+i`` with ``engine.listen = "tcp"``);
+``client_session(address)`` opens a session whose connector reaches it.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from typing import Any
 import aiohttp
 import psutil
 
+from appliance.endpoint import EngineAddress
 from tests.fakes.appliance_proc import (
     Appliance,
     fake_engine_config,
@@ -199,8 +204,21 @@ class Daemon:
             raise RuntimeError(f"engine {i} has no pid")
         return int(pid)
 
+    @property
+    def listen(self) -> str:
+        """How its engines listen: "unix" or "tcp" (``engine.listen``)."""
+        return "tcp" if self.app.over_tcp else "unix"
+
+    def engine_address(self, i: int) -> EngineAddress:
+        """Where engine i listens; open a session to it with ``client_session(address)``."""
+        if self.app.over_tcp:
+            return EngineAddress(port=self.app.engine_port(i))
+        return EngineAddress(uds=self.app.engine_socket(i))
+
     def engine_url(self, i: int) -> str:
-        return f"http://127.0.0.1:{self.app.engine_port(i)}"
+        """Engine i's base URL, for a session from ``client_session(engine_address(i))``
+        (over a Unix socket the URL names no socket: the session's connector does)."""
+        return self.engine_address(i).base_url
 
     def engine_key(self, i: int) -> str:
         return engine_key_of(self.engine_pid(i))
@@ -216,14 +234,15 @@ class Daemon:
 
 
 def engine_key_of(pid: int) -> str:
-    """The per-boot engine key from the engine's command line (``--api-key KEY``)."""
-    argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    for i, arg in enumerate(argv):
-        if arg == b"--api-key" and i + 1 < len(argv):
-            return argv[i + 1].decode()
-        if arg.startswith(b"--api-key="):
-            return arg.split(b"=", 1)[1].decode()
-    raise RuntimeError(f"no --api-key in /proc/{pid}/cmdline")
+    """The engine's per-spawn key, from its environment (``VLLM_API_KEY``).
+
+    The supervisor hands it over there, not on the command line any local user can
+    read; ``/proc/<pid>/environ`` is readable by the engine's own user and root only.
+    """
+    try:
+        return str(psutil.Process(pid).environ()["VLLM_API_KEY"])
+    except KeyError:
+        raise RuntimeError(f"no VLLM_API_KEY in the environment of engine pid {pid}") from None
 
 
 @contextlib.contextmanager
@@ -236,8 +255,13 @@ def daemon(
 ) -> Iterator[Daemon]:
     """A running daemon with ``engines`` fake engines, READY, and its admin key.
 
-    ``env`` is added to the daemon's environment (engines inherit it)."""
+    ``env`` is added to the daemon's environment (engines inherit it). Engines listen
+    as ``engine={"listen": ...}`` says (the appliance's default: Unix sockets).
+    """
     tmp = Path(tempfile.mkdtemp(prefix="llm-appliance-bench-"))
+    # Each daemon its own runtime directory, even when this shell has one (two daemons
+    # at once would otherwise put their engine sockets at the same paths).
+    env = {"RUNTIME_DIRECTORY": str(tmp / "run"), **(env or {})}
     try:
         engine_over = {"served_model_name": MODEL, **overrides.pop("engine", {})}
         cfg = fake_engine_config(tmp, engines, *fake_args, engine=engine_over, **overrides)
@@ -276,10 +300,17 @@ def completion_body(max_tokens: int, stream: bool, prompt: str = "hello there") 
     ).encode()
 
 
-def client_session() -> aiohttp.ClientSession:
+def client_session(address: EngineAddress | None = None) -> aiohttp.ClientSession:
+    """A client session over TCP (the gateway), or one that reaches the engine at
+    ``address`` however it listens (a Unix socket: every request goes to that socket)."""
     # limit=0: aiohttp's default of 100 connections would queue streams beyond 100.
+    connector = (
+        aiohttp.TCPConnector(limit=0, force_close=False)
+        if address is None
+        else address.connector(limit=0, force_close=False)
+    )
     return aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=0, force_close=False),
+        connector=connector,
         timeout=aiohttp.ClientTimeout(total=120, sock_connect=10),
         trust_env=False,
         auto_decompress=False,

@@ -9,10 +9,11 @@ The same fixed closed-loop load (N clients, each sending a streamed completion a
 as its previous one ended) runs, in alternating rounds of the same run:
 
 - **heat-aware**: through the gateway, as the appliance routes today;
-- **round-robin**: the client alternates requests between the two engines' ports
-  directly (engine keys from ``/proc/<pid>/cmdline``), at most ``max_inflight``
-  requests per engine (the same cap the gateway applies per engine), extra requests
-  waiting their turn on their engine. It pays no gateway hop, which favours it.
+- **round-robin**: the client alternates requests between the two engines directly,
+  over their Unix sockets (the appliance's default ``engine.listen``; engine keys from
+  each engine's ``VLLM_API_KEY``), at most ``max_inflight`` requests per engine (the
+  same cap the gateway applies per engine), extra requests waiting their turn on their
+  engine. It pays no gateway hop, which favours it.
 
 Reported per mode and load: request latency p50/p90/p99 (send → last byte), TTFT p99,
 throughput (requests/s, tokens/s) and the share of requests each engine served.
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import json
 import tempfile
@@ -32,6 +34,8 @@ from collections import Counter, defaultdict
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
+
+import aiohttp
 
 from bench._common import (
     Result,
@@ -71,9 +75,15 @@ def write_sensors(path: Path, temps: list[float]) -> None:
 
 
 def round_robin(
-    s: Any, urls: list[str], keys: list[str], body: bytes, cap: int
+    sessions: list[aiohttp.ClientSession],
+    urls: list[str],
+    keys: list[str],
+    body: bytes,
+    cap: int,
 ) -> Callable[[int], Awaitable[Result]]:
-    """Strict alternation between the engines, at most ``cap`` in flight on each."""
+    """Strict alternation between the engines, at most ``cap`` in flight on each.
+
+    ``sessions[i]`` reaches engine i (a Unix socket is one connector per engine)."""
     caps = [asyncio.Semaphore(cap) for _ in urls]
     turn = itertools.count()
 
@@ -81,7 +91,7 @@ def round_robin(
         i = next(turn) % len(urls)
         t0 = time.monotonic()
         async with caps[i]:
-            r = await request(s, urls[i], keys[i], body, True, i)
+            r = await request(sessions[i], urls[i], keys[i], body, True, i)
         # Latency as the client sees it: waiting for a slot counts.
         r.ttft += r.start - t0
         r.total += r.start - t0
@@ -102,9 +112,13 @@ async def run(args: argparse.Namespace, d: Any) -> dict[tuple[int, str], dict[st
     def served_now() -> list[int]:
         return [int(d.app.engine_stats(i)["requests"]) for i in range(2)]
 
-    async with client_session() as s:
+    async with contextlib.AsyncExitStack() as stack:
+        s = await stack.enter_async_context(client_session())
+        direct = [
+            await stack.enter_async_context(client_session(d.engine_address(i))) for i in range(2)
+        ]
         for n in args.levels:
-            rr = round_robin(s, urls, keys, body, args.max_inflight)
+            rr = round_robin(direct, urls, keys, body, args.max_inflight)
 
             async def gw(w: int) -> Result:
                 return await request(s, d.url, d.admin_key, body, True)
@@ -179,7 +193,8 @@ def report(args: argparse.Namespace, quiet: Any, out: dict[tuple[int, str], Any]
         f"(soft 80, hard 87 → throttle level 2: its budget halved to "
         f"{max(1, args.max_inflight // 2)}); engine 1 at 60 °C; `max_inflight = "
         f"{args.max_inflight}`; {args.tokens}-token streams; {args.rounds} rounds × "
-        f"{args.round_s:g} s per mode per load, modes alternating\n"
+        f"{args.round_s:g} s per mode per load, modes alternating; round-robin goes "
+        f"straight to the engines' Unix sockets\n"
     )
     return "\n".join([head, setup, t.markdown() + "\n", summary.markdown() + "\n"])
 

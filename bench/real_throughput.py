@@ -1,8 +1,9 @@
 """Gateway cost on real vLLM: one CPU engine, straight to it vs through the gateway.
 
-One daemon with ONE real vLLM engine on CPU (every usable core). The engine's per-boot
-key is read from the API server's environment (``VLLM_API_KEY``), so the "direct"
-rounds hit the very engine the gateway relays to. Rounds alternate direct / gateway
+One daemon with ONE real vLLM engine on CPU (every usable core), listening on its Unix
+socket (the appliance's default). The engine's per-spawn key is read from the API
+server's environment (``VLLM_API_KEY``), so the "direct" rounds hit the very engine the
+gateway relays to, over the same socket. Rounds alternate direct / gateway
 (order flipped every round) at each concurrency; each round is a closed loop of N
 streams of ``--tokens`` tokens (``ignore_eos``) for a fixed time. Per concurrency it
 reports tokens/s of both paths and their ratio, and TTFT p50/p99 of both.
@@ -28,8 +29,6 @@ from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-
-import psutil
 
 from appliance import paths
 from bench._common import (
@@ -70,10 +69,6 @@ def real_daemon() -> Iterator[Daemon]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def engine_key(pid: int) -> str:
-    return str(psutil.Process(pid).environ()["VLLM_API_KEY"])
-
-
 def body(tokens: int, n: int) -> bytes:
     return json.dumps(
         {
@@ -88,12 +83,12 @@ def body(tokens: int, n: int) -> bytes:
 
 
 async def run(args: argparse.Namespace, d: Daemon) -> dict[tuple[int, str], list[Any]]:
-    url, key = d.engine_url(0), engine_key(d.engine_pid(0))
+    url, key = d.engine_url(0), d.engine_key(0)
     acc: dict[tuple[int, str], list[Any]] = defaultdict(lambda: [[], 0.0])
-    async with client_session() as s:
+    async with client_session() as gw, client_session(d.engine_address(0)) as direct:
 
         def one(path: str) -> Any:
-            base, k = (url, key) if path == "direct" else (d.url, d.admin_key)
+            s, base, k = (direct, url, key) if path == "direct" else (gw, d.url, d.admin_key)
             return lambda w: request(s, base, k, body(args.tokens, w), True)
 
         for path in PATHS:  # warm-up: connections open, engine warm
@@ -146,7 +141,8 @@ def report(args: argparse.Namespace, quiet: Any, acc: dict[tuple[int, str], list
         figures[str(c)] = {"ratio": round(ratio, 4), "tok_s": [round(drate, 1), round(grate, 1)]}
     out = [header("Gateway cost on real vLLM (CPU)", module_argv("bench.real_throughput"), quiet)]
     out.append(
-        f"- load: 1 real vLLM engine (SmolLM2-135M, --enforce-eager, all cores), "
+        f"- load: 1 real vLLM engine (SmolLM2-135M, --enforce-eager, all cores, on a Unix "
+        f"socket), "
         f"{args.tokens}-token streams with ignore_eos on /v1/completions; closed loop; "
         f"{args.rounds} rounds × {args.round_s:g} s per path per concurrency, "
         f"direct/gateway alternating\n"

@@ -257,7 +257,7 @@ async def chaos(
 
 
 def config_for(kind: str, tmp: Path, sensors: Path) -> dict[str, dict[str, Any]]:
-    common = {
+    common: dict[str, dict[str, Any]] = {
         "telemetry": {"source": f"file:{sensors}", "interval_s": 0.5},
         "restart": {
             "backoff_initial_s": 1,

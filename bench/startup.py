@@ -26,9 +26,11 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 from appliance import paths
-from tests.fakes.appliance_proc import _free_port_run, free_port, get_json, run_appliance
+from tests.fakes.appliance_proc import get_json, run_appliance
+from tests.fakes.engine_proc import free_port
 
 
 def drop_caches() -> bool:
@@ -42,9 +44,11 @@ def drop_caches() -> bool:
 
 def one_run(engines: int) -> dict[str, float]:
     tmp = Path(tempfile.mkdtemp(prefix="startup-"))
-    cfg = {
+    # Engines on their default Unix sockets (in the daemon's runtime directory): no port
+    # to pick.
+    cfg: dict[str, dict[str, Any]] = {
         "gateway": {"port": free_port(), "keys_file": str(tmp / "keys.json")},
-        "engine": {"cpu_engines": engines, "port_base": _free_port_run(engines)},
+        "engine": {"cpu_engines": engines},
     }
     env = {"LLM_APPLIANCE_HOME": str(paths.appliance_home())}
     out: dict[str, float] = {}
@@ -82,11 +86,11 @@ def main() -> None:
     ap.add_argument("--engines", type=int, default=1, help="cpu_engines (default: 1)")
     ap.add_argument("--cold", action="store_true", help="drop the page cache first (root)")
     args = ap.parse_args()
-    rows = []
+    rows: list[dict[str, Any]] = []
     for i in range(args.runs):
         cold = args.cold and i == 0 and drop_caches()
-        r = one_run(args.engines)
-        rows.append({"run": i + 1, "cache": "cold" if cold else "warm", **r})
+        times = one_run(args.engines)
+        rows.append({"run": i + 1, "cache": "cold" if cold else "warm", **times})
         print(json.dumps(rows[-1]), flush=True)
     print(
         f"\n{'run':>3}  {'cache':5}  {'listening':>9}  {'ready':>7}  {'1st token':>9}  "
