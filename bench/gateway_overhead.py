@@ -1,7 +1,8 @@
 """Gateway overhead: the same fake engine, straight to it vs through the gateway, same run.
 
 One daemon with ONE fast fake engine (2 ms per token, 64-token streams). The engine's
-per-boot key is read from ``/proc/<engine pid>/cmdline``, so the "direct" rounds hit the
+per-spawn key is read from its environment (``VLLM_API_KEY``), and the client reaches
+it where it listens (its Unix socket, or its TCP port), so the "direct" rounds hit the
 very engine the gateway relays to. Rounds alternate direct / gateway (order flipped
 every round) at each concurrency; each round is a closed loop of N streams for a fixed
 time. Per concurrency it reports:
@@ -16,29 +17,41 @@ time. Per concurrency it reports:
 - CPU use of the client, engine and daemon, as a share of the machine, to show when
   the machine rather than the gateway is the limit.
 
-Then (``--profile``, on by default) py-spy records the daemon under a gateway-only load
-and the table of where its CPU goes is printed.
+``--listen both`` (the default) runs two such daemons side by side, one whose engine
+listens on a Unix socket (``engine.listen = "unix"``, the appliance's default) and one
+on a TCP port (``"tcp"``), in alternating rounds of the same run (unix and tcp, direct
+and gateway, the whole order reversed every other round), reports each as above, then
+the gateway's CPU per chunk of the two side by side with their ratio unix/tcp.
+``--listen unix`` or ``--listen tcp`` measures one daemon only.
+
+Then (``--profile-levels``, 1 and 64 streams by default) py-spy records each daemon
+under a gateway-only load and the table of where its CPU goes is printed.
 
     .venv/bin/python -m bench.gateway_overhead [--levels 1,16,64,256] [--rounds 3]
+        [--listen unix|tcp|both]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import psutil
 
 from bench import profile
 from bench._common import (
+    Daemon,
     Result,
     Table,
     client_session,
@@ -55,6 +68,8 @@ from bench._common import (
 from tests.fakes.appliance_proc import REPO
 
 PATHS = ("direct", "gateway")
+MODES = ("unix", "tcp")
+MODE_NAMES = {"unix": "engines on Unix sockets", "tcp": "engines on 127.0.0.1 TCP ports"}
 
 
 @dataclass
@@ -79,6 +94,10 @@ class Acc:
         return self.events / self.elapsed if self.elapsed else float("nan")
 
 
+# (listen mode, concurrency, path)
+Accs = dict[tuple[str, int, str], Acc]
+
+
 def sys_cpu() -> tuple[float, float]:
     """(busy, total) CPU-seconds of the whole machine so far."""
     t = psutil.cpu_times()
@@ -91,35 +110,66 @@ def cpu_s(p: psutil.Process) -> float:
     return float(t.user + t.system)
 
 
-async def run(args: argparse.Namespace, d: Any) -> dict[str, Any]:
-    daemon_p = psutil.Process(d.pid)
-    engine_p = psutil.Process(d.engine_pid(0))
+@dataclass
+class Target:
+    """One daemon under test and the ways to load it: straight to its engine, or through
+    its gateway."""
+
+    d: Daemon
+    daemon_p: psutil.Process
+    engine_p: psutil.Process
+    gw: aiohttp.ClientSession
+    direct: aiohttp.ClientSession
+    eng_url: str
+    eng_key: str
+
+    def one(self, path: str, body: bytes) -> Callable[[int], Awaitable[Result]]:
+        if path == "direct":
+            return lambda w: request(self.direct, self.eng_url, self.eng_key, body, True, 0)
+        return lambda w: request(self.gw, self.d.url, self.d.admin_key, body, True)
+
+
+def schedule(modes: Sequence[str], r: int) -> list[tuple[str, str]]:
+    """Round r's (mode, path) order: every pair once, the whole order reversed every other
+    round, so no pair always runs first or after the same neighbour (drift cancels)."""
+    order = [(m, p) for m in modes for p in PATHS]
+    return order if r % 2 == 0 else order[::-1]
+
+
+async def run(args: argparse.Namespace, daemons: dict[str, Daemon]) -> dict[str, Any]:
     client_p = psutil.Process(os.getpid())
-    eng_url, eng_key = d.engine_url(0), d.engine_key(0)
     body = completion_body(args.tokens, stream=True)
-    accs: dict[tuple[int, str], Acc] = defaultdict(Acc)
+    accs: Accs = defaultdict(Acc)
+    profs: list[dict[str, Any]] = []
+    engines: dict[str, dict[str, Any]] = {}
 
-    async with client_session() as s:
-
-        def one(path: str) -> Any:
-            if path == "direct":
-                return lambda w: request(s, eng_url, eng_key, body, True, 0)
-            return lambda w: request(s, d.url, d.admin_key, body, True)
+    async with contextlib.AsyncExitStack() as stack:
+        targets: dict[str, Target] = {}
+        for mode, d in daemons.items():
+            targets[mode] = Target(
+                d,
+                psutil.Process(d.pid),
+                psutil.Process(d.engine_pid(0)),
+                await stack.enter_async_context(client_session()),
+                await stack.enter_async_context(client_session(d.engine_address(0))),
+                d.engine_url(0),
+                d.engine_key(0),
+            )
 
         # Warm-up at the highest concurrency: opens every keep-alive connection on both
         # paths (client→engine, client→gateway, gateway→engine) before anything counts.
         top = max(args.levels)
-        for path in PATHS:
-            await closed_loop(top, 1.5, one(path))
+        for t in targets.values():
+            for path in PATHS:
+                await closed_loop(top, 1.5, t.one(path, body))
         for c in args.levels:
             rounds = args.rounds * (2 if c == 1 else 1)  # 1 stream: few samples per round
             for r in range(rounds):
-                order = PATHS if r % 2 == 0 else PATHS[::-1]
-                for path in order:
-                    a = accs[(c, path)]
-                    before = (cpu_s(daemon_p), cpu_s(engine_p), cpu_s(client_p), *sys_cpu())
-                    results, elapsed = await closed_loop(c, args.round_s, one(path))
-                    after = (cpu_s(daemon_p), cpu_s(engine_p), cpu_s(client_p), *sys_cpu())
+                for mode, path in schedule(args.listen, r):
+                    t, a = targets[mode], accs[(mode, c, path)]
+                    before = (cpu_s(t.daemon_p), cpu_s(t.engine_p), cpu_s(client_p), *sys_cpu())
+                    results, elapsed = await closed_loop(c, args.round_s, t.one(path, body))
+                    after = (cpu_s(t.daemon_p), cpu_s(t.engine_p), cpu_s(client_p), *sys_cpu())
                     a.results += results
                     a.elapsed += elapsed
                     a.daemon_cpu += after[0] - before[0]
@@ -128,30 +178,42 @@ async def run(args: argparse.Namespace, d: Any) -> dict[str, Any]:
                     a.sys_busy += after[3] - before[3]
                     a.sys_all += after[4] - before[4]
                     await asyncio.sleep(0.2)
-            g, dr = accs[(c, "gateway")], accs[(c, "direct")]
-            print(
-                f"  {c:>4} streams: direct {dr.rate():8.0f} ev/s, gateway {g.rate():8.0f} ev/s, "
-                f"failures {len(dr.results) - len(dr.ok)}/{len(g.results) - len(g.ok)}",
-                flush=True,
-            )
+            for mode in args.listen:
+                g, dr = accs[(mode, c, "gateway")], accs[(mode, c, "direct")]
+                label = f" ({mode})" if len(args.listen) > 1 else ""
+                print(
+                    f"  {c:>4} streams{label}: direct {dr.rate():8.0f} ev/s, gateway "
+                    f"{g.rate():8.0f} ev/s, failures {len(dr.results) - len(dr.ok)}/"
+                    f"{len(g.results) - len(g.ok)}",
+                    flush=True,
+                )
 
-        profs: list[dict[str, Any]] = []
-        for c in args.profile_levels:
-            out = Path(tempfile.mkdtemp(prefix="bench-profile-")) / f"gateway-{c}.raw"
-            rec = asyncio.create_task(profile.record(d.pid, args.profile_s, out, args.profile_rate))
-            await asyncio.sleep(0.3)
-            results, _ = await closed_loop(c, args.profile_s, one("gateway"))
-            line = await rec
-            prof: dict[str, Any] = {"path": str(out), "py_spy": line, "concurrency": c}
-            if out.exists():
-                prof["profile"] = profile.parse(out)
-            profs.append(prof)
-        status = d.status()["engines"][0]
-    return {"accs": accs, "profiles": profs, "engine": status}
+        for mode, t in targets.items():
+            for c in args.profile_levels:
+                out = Path(tempfile.mkdtemp(prefix="bench-profile-")) / f"gateway-{mode}-{c}.raw"
+                rec = asyncio.create_task(
+                    profile.record(t.d.pid, args.profile_s, out, args.profile_rate)
+                )
+                await asyncio.sleep(0.3)
+                await closed_loop(c, args.profile_s, t.one("gateway", body))
+                line = await rec
+                prof: dict[str, Any] = {
+                    "path": str(out),
+                    "py_spy": line,
+                    "concurrency": c,
+                    "mode": mode,
+                }
+                if out.exists():
+                    prof["profile"] = profile.parse(out)
+                profs.append(prof)
+            engines[mode] = t.d.status()["engines"][0]
+    return {"accs": accs, "profiles": profs, "engines": engines}
 
 
-def report(args: argparse.Namespace, quiet: Any, data: dict[str, Any]) -> str:
-    accs: dict[tuple[int, str], Acc] = data["accs"]
+def mode_tables(
+    args: argparse.Namespace, accs: Accs, mode: str
+) -> tuple[Table, Table, dict[str, Any]]:
+    """The latency and the throughput/CPU tables of one listen mode, and its figures."""
     ncpu = os.cpu_count() or 1
     lat = Table(
         [
@@ -183,7 +245,7 @@ def report(args: argparse.Namespace, quiet: Any, data: dict[str, Any]) -> str:
     )
     figures: dict[str, Any] = {}
     for c in args.levels:
-        dr, g = accs[(c, "direct")], accs[(c, "gateway")]
+        dr, g = accs[(mode, c, "direct")], accs[(mode, c, "gateway")]
         dt = [r.ttft for r in dr.ok]
         gt = [r.ttft for r in g.ok]
         dl = [r.total for r in dr.ok]
@@ -200,9 +262,7 @@ def report(args: argparse.Namespace, quiet: Any, data: dict[str, Any]) -> str:
             cells += [f"{ms(a)} / {ms(b)}", ms(b - a)]
         lat.add(c, *cells)
         ratio = g.rate() / dr.rate() if dr.rate() else float("nan")
-        bg_rate = dr.daemon_cpu / dr.elapsed if dr.elapsed else 0.0
-        raw = g.daemon_cpu / g.events * 1e6 if g.events else float("nan")
-        net = (g.daemon_cpu - bg_rate * g.elapsed) / g.events * 1e6 if g.events else float("nan")
+        raw, net = gw_cpu_per_chunk(dr, g)
 
         def busy(a: Acc) -> float:
             return (a.daemon_cpu + a.engine_cpu + a.client_cpu) / (a.elapsed * ncpu)
@@ -235,30 +295,128 @@ def report(args: argparse.Namespace, quiet: Any, data: dict[str, Any]) -> str:
             "busy": [round(busy(dr), 3), round(busy(g), 3)],
             "sys_busy": [round(sys_busy(dr), 3), round(sys_busy(g), 3)],
             "events_per_stream": round(g.events / max(1, len(g.results)), 1),
+            "events_per_s": [round(dr.rate(), 1), round(g.rate(), 1)],
         }
+    return lat, thr, figures
+
+
+def gw_cpu_per_chunk(dr: Acc, g: Acc) -> tuple[float, float]:
+    """The daemon's CPU µs per relayed SSE event: raw, and net of its background rate
+    (measured in the direct rounds, when it relays nothing)."""
+    if not g.events:
+        return float("nan"), float("nan")
+    bg_rate = dr.daemon_cpu / dr.elapsed if dr.elapsed else 0.0
+    raw = g.daemon_cpu / g.events * 1e6
+    net = (g.daemon_cpu - bg_rate * g.elapsed) / g.events * 1e6
+    return raw, net
+
+
+def comparison(
+    args: argparse.Namespace, figures: dict[str, dict[str, Any]]
+) -> tuple[Table, dict[str, Any]]:
+    """Unix sockets vs TCP, side by side per concurrency: the gateway's CPU per chunk
+    (the figure the issue asks for: expect unix ≤ tcp) and what it buys."""
+    t = Table(
+        [
+            "streams",
+            "gw CPU µs/chunk raw unix / tcp",
+            "unix/tcp",
+            "net unix / tcp",
+            "unix/tcp",
+            "events/s gw unix / tcp",
+            "ratio gw/direct unix / tcp",
+            "TTFT p50 added unix / tcp (ms)",
+            "stream p50 added unix / tcp (ms)",
+        ]
+    )
+    out: dict[str, Any] = {}
+    for c in args.levels:
+        u, p = figures["unix"][str(c)], figures["tcp"][str(c)]
+
+        def rel(key: str, u: dict[str, Any] = u, p: dict[str, Any] = p) -> float:
+            return float(u[key] / p[key]) if p[key] else float("nan")
+
+        def added(f: dict[str, Any], key: str) -> float:
+            return float(f[key][1] - f[key][0])
+
+        raw_r, net_r = rel("gw_cpu_us_per_chunk_raw"), rel("gw_cpu_us_per_chunk_net")
+        t.add(
+            c,
+            f"{u['gw_cpu_us_per_chunk_raw']:.1f} / {p['gw_cpu_us_per_chunk_raw']:.1f}",
+            f"{raw_r:.3f}",
+            f"{u['gw_cpu_us_per_chunk_net']:.1f} / {p['gw_cpu_us_per_chunk_net']:.1f}",
+            f"{net_r:.3f}",
+            f"{u['events_per_s'][1]:.0f} / {p['events_per_s'][1]:.0f}",
+            f"{u['ratio']:.3f} / {p['ratio']:.3f}",
+            f"{added(u, 'ttft_p50'):.2f} / {added(p, 'ttft_p50'):.2f}",
+            f"{added(u, 'lat_p50'):.2f} / {added(p, 'lat_p50'):.2f}",
+        )
+        out[str(c)] = {
+            "gw_cpu_us_per_chunk_raw": [u["gw_cpu_us_per_chunk_raw"], p["gw_cpu_us_per_chunk_raw"]],
+            "gw_cpu_us_per_chunk_net": [u["gw_cpu_us_per_chunk_net"], p["gw_cpu_us_per_chunk_net"]],
+            "raw_ratio_unix_tcp": round(raw_r, 4),
+            "net_ratio_unix_tcp": round(net_r, 4),
+        }
+    return t, out
+
+
+def report(args: argparse.Namespace, quiet: Any, data: dict[str, Any]) -> str:
+    accs: Accs = data["accs"]
+    modes: list[str] = args.listen
+    both = len(modes) > 1
     out = [header("Gateway overhead", module_argv("bench.gateway_overhead"), quiet)]
     kv = args.kv_cache_usage
+    tables = {m: mode_tables(args, accs, m) for m in modes}
+    figures = {m: tables[m][2] for m in modes}
+    if both:
+        listen = (
+            "engines on Unix sockets and on TCP: two daemons side by side, rounds "
+            "alternating unix/tcp and direct/gateway, the whole order reversed every round"
+        )
+    else:
+        listen = f'{MODE_NAMES[modes[0]]} (`engine.listen = "{modes[0]}"`)'
+    eps = figures[modes[0]][str(args.levels[-1])]["events_per_stream"]
     out.append(
         f"- the daemon's event loop: {args.daemon_loop} (the engine: asyncio's)\n"
+        f"- listen: {listen}\n"
         f"- load: 1 fake engine, `--token-delay-ms {args.token_delay_ms:g}`, KV usage "
         f"reported {'1 % per running request' if kv == 'derived' else kv}, "
         f"{args.tokens}-token streams on /v1/completions; closed loop; "
         f"{args.rounds} rounds × {args.round_s:g} s per path per concurrency "
         f"(1 stream: {2 * args.rounds} rounds), direct/gateway alternating; "
-        f"~{figures[str(args.levels[-1])]['events_per_stream']} SSE events per stream\n"
+        f"~{eps} SSE events per stream\n"
     )
-    out.append("Latency (ms; 'added' = gateway − direct, same run):\n")
-    out.append(lat.markdown() + "\n")
-    out.append("Throughput and CPU:\n")
-    out.append(thr.markdown() + "\n")
+    for m in modes:
+        lat, thr, _ = tables[m]
+        if both:
+            name = MODE_NAMES[m]
+            out.append(f'### {name[0].upper()}{name[1:]} (`engine.listen = "{m}"`)\n')
+        out.append("Latency (ms; 'added' = gateway − direct, same run):\n")
+        out.append(lat.markdown() + "\n")
+        out.append("Throughput and CPU:\n")
+        out.append(thr.markdown() + "\n")
+    result: dict[str, Any] = figures[modes[0]]
+    if both:
+        cmp, cmp_figures = comparison(args, figures)
+        out.append("### Gateway CPU per chunk, Unix sockets vs TCP (same run)\n")
+        out.append(
+            "The daemon's CPU per relayed SSE event with its engine on a Unix socket and on "
+            "a TCP port; a ratio unix/tcp of 1 or less means the Unix socket costs the "
+            "gateway no more than TCP did.\n"
+        )
+        out.append(cmp.markdown() + "\n")
+        result = {**figures, "unix_vs_tcp": cmp_figures}
     for prof in data["profiles"]:
+        where = f" ({prof['mode']})" if both else ""
         if "profile" not in prof:
-            out.append(f"(profile at {prof['concurrency']} streams failed: {prof['py_spy']})\n")
+            out.append(
+                f"(profile at {prof['concurrency']} streams{where} failed: {prof['py_spy']})\n"
+            )
             continue
         p = prof["profile"]
         by_cat, by_self, by_incl = profile.tables(p)
         out.append(
-            f"py-spy profile of the daemon: {prof['concurrency']} stream(s) through the "
+            f"py-spy profile of the daemon{where}: {prof['concurrency']} stream(s) through the "
             f"gateway for {args.profile_s:g} s at {args.profile_rate} Hz, {p.total} on-CPU "
             f"samples ({p.idle} more idle in epoll, or in uvloop's C code, left out; "
             f"{prof['py_spy'].removeprefix('py-spy> ')}); raw stacks in `{prof['path']}`.\n"
@@ -266,20 +424,23 @@ def report(args: argparse.Namespace, quiet: Any, data: dict[str, Any]) -> str:
         out.append(by_cat.markdown() + "\n")
         out.append(by_self.markdown() + "\n")
         out.append(by_incl.markdown() + "\n")
-    e = data["engine"]
-    out.append(
-        f"Engine at the end: kv_cache_usage {e.get('kv_cache_usage')}, KV breaker open: "
-        f"{e.get('kv_breaker_open')}, restarts {e.get('restarts')}.\n"
-    )
+    for m, e in data["engines"].items():
+        where = f" ({m})" if both else ""
+        out.append(
+            f"Engine{where} at the end: kv_cache_usage {e.get('kv_cache_usage')}, KV breaker "
+            f"open: {e.get('kv_breaker_open')}, restarts {e.get('restarts')}.\n"
+        )
     if args.json:
-        Path(args.json).write_text(json.dumps(figures, indent=2))
+        Path(args.json).write_text(json.dumps(result, indent=2))
     return "\n".join(out)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--levels", default="1,16,64,256", help="concurrent streams, comma-separated")
-    ap.add_argument("--rounds", type=int, default=3, help="rounds per path per concurrency")
+    ap.add_argument(
+        "--rounds", type=int, default=3, help="rounds per path and listen mode per concurrency"
+    )
     ap.add_argument("--round-s", type=float, default=3.0, help="seconds per round")
     ap.add_argument("--tokens", type=int, default=64, help="tokens per stream")
     ap.add_argument("--token-delay-ms", type=float, default=2.0)
@@ -303,9 +464,18 @@ def main() -> None:
         help="the daemon's event loop (LLM_APPLIANCE_EVENT_LOOP); uvloop is the "
         "appliance's default, asyncio its fallback",
     )
+    ap.add_argument(
+        "--listen",
+        choices=("unix", "tcp", "both"),
+        default="both",
+        help="how the engine listens (engine.listen); 'both': a daemon of each kind, "
+        "measured in alternating rounds of the same run, and the gateway's CPU per chunk "
+        "compared side by side",
+    )
     ap.add_argument("--no-wait", action="store_true", help="do not wait for a quiet machine")
     ap.add_argument("--json", default="", help="also write the figures to this file")
     args = ap.parse_args()
+    args.listen = list(MODES) if args.listen == "both" else [args.listen]
     args.levels = [int(x) for x in args.levels.split(",")]
     args.profile_levels = [int(x) for x in args.profile_levels.split(",") if x]
     kv = [] if args.kv_cache_usage == "derived" else ["--kv-cache-usage", args.kv_cache_usage]
@@ -314,22 +484,35 @@ def main() -> None:
     quiet.start_watching()
     t0 = time.monotonic()
     top = max(args.levels)
-    with daemon(
-        1,
-        ["--token-delay-ms", f"{args.token_delay_ms:g}", "--max-num-seqs", str(4 * top), *kv],
-        # Budgets above the load: this measures the relay, not admission's queue.
-        engine={
-            "max_inflight": 4 * top,
-            "max_inflight_tokens": 10**8,
-            "env": {"PYTHONPATH": str(REPO)},
-        },
-        gateway={"max_queue": 8 * top},
-        # The contract's health defaults (the fakes' test config checks every 0.3 s).
-        health={"interval_s": 2.0, "probe_timeout_s": 10.0, "failures_to_restart": 3},
-        telemetry={"source": "none", "interval_s": 1.0},
-        env=env,
-    ) as d:
-        data = asyncio.run(run(args, d))
+    with contextlib.ExitStack() as stack:
+        daemons = {
+            mode: stack.enter_context(
+                daemon(
+                    1,
+                    [
+                        "--token-delay-ms",
+                        f"{args.token_delay_ms:g}",
+                        "--max-num-seqs",
+                        str(4 * top),
+                        *kv,
+                    ],
+                    # Budgets above the load: this measures the relay, not admission's queue.
+                    engine={
+                        "listen": mode,
+                        "max_inflight": 4 * top,
+                        "max_inflight_tokens": 10**8,
+                        "env": {"PYTHONPATH": str(REPO)},
+                    },
+                    gateway={"max_queue": 8 * top},
+                    # The contract's health defaults (the fakes' test config checks every 0.3 s).
+                    health={"interval_s": 2.0, "probe_timeout_s": 10.0, "failures_to_restart": 3},
+                    telemetry={"source": "none", "interval_s": 1.0},
+                    env=env,
+                )
+            )
+            for mode in args.listen
+        }
+        data = asyncio.run(run(args, daemons))
     quiet.stop_watching()
     print()
     print(report(args, quiet, data))
