@@ -84,7 +84,30 @@ class GatewayConfig:
     max_tokens_cap: int = _f(
         4096,
         "Largest `max_tokens` a request may ask for; larger is "
-        "refused with 400 (never silently clamped).",
+        "refused with 400 (never silently clamped). A chat request without "
+        "`max_tokens` (or with null) is sent to the engine with this value, never "
+        "more than the context leaves.",
+        lo=1,
+    )
+    max_n: int = _f(
+        16,
+        "Largest `n` (answers per prompt) a request may ask for; larger gets 400. "
+        "Each answer is counted in the request's token cost.",
+        lo=1,
+        hi=16384,
+    )
+    max_best_of: int = _f(
+        16,
+        "Largest `best_of` a request may ask for; larger gets 400. Counted like `n` "
+        "(vLLM 0.32 ignores it, other engines generate that many sequences).",
+        lo=1,
+        hi=16384,
+    )
+    max_prompts: int = _f(
+        2048,
+        "Longest list of prompts (`/v1/completions` `prompt`) or inputs "
+        "(`/v1/embeddings` `input`) one request may carry; longer gets 400. Every "
+        "prompt is counted in the request's token cost.",
         lo=1,
     )
     max_queue: int = _f(
@@ -92,6 +115,13 @@ class GatewayConfig:
     )
     queue_timeout_s: float = _f(
         30.0, "Longest a request waits in the queue before 503.", lo=0, lo_open=True
+    )
+    queue_aging_s: float = _f(
+        10.0,
+        "A queued request too large for the room any engine has now lets smaller ones "
+        "behind it go first, for at most this long; after that nobody passes it, so "
+        "it is not starved. 0 = strict arrival order.",
+        lo=0,
     )
     metrics_public: bool = _f(
         False,

@@ -1,13 +1,23 @@
 """Admission: who gets an engine now, who waits, who is refused.
 
-Per engine the gateway keeps an in-flight budget in sequences (``engine.max_inflight``)
-and in tokens (``engine.max_inflight_tokens``; a request costs its prompt estimate plus
-``max_tokens``). The thermal governor scales both down on a hot GPU, and the KV-pressure
+Per engine the gateway keeps an in-flight budget in requests (``engine.max_inflight``)
+and in tokens (``engine.max_inflight_tokens``; a request costs what
+``appliance/gateway/cost.py`` counts: sequences x (prompt estimate + max_tokens), per
+prompt). The thermal governor scales both down on a hot GPU, and the KV-pressure
 breaker closes an engine whose ``vllm:kv_cache_usage_perc`` passed 0.92 until it falls
-below 0.85, so we stop feeding an engine that is about to preempt. Requests that find no
-room wait in a bounded queue, interactive before batch; under pressure batch is shed
-first. Everything here is synchronous except waiting, so a release hands the freed slot
-to the next waiter without a scheduling gap.
+below 0.85, so we stop feeding an engine that is about to preempt.
+
+A request that no engine could ever take (it costs more than both
+``max_inflight_tokens`` and ``max_model_len``; an idle engine takes any one sequence, see
+``policy/routing.py``) is refused with 400 at once rather than queued to time out.
+
+Requests that find no room wait in a bounded queue, interactive before batch; under
+pressure batch is shed first. A waiter too large for the room any engine has *now* does
+not hold up smaller ones behind it: they go first while it waits, until it has waited
+``gateway.queue_aging_s``; from then on nobody passes it (batch included), so engines
+drain until it fits and it is not starved. Interactive waiters that fit are always
+served before any batch one. Everything here is synchronous except waiting, so a
+release hands the freed slot to the next waiter without a scheduling gap.
 """
 
 from __future__ import annotations
@@ -36,10 +46,10 @@ class _Waiter:
     session: str | None
     exclude: frozenset[int]
     batch: bool
+    since: float
     future: asyncio.Future[int] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
-    since: float = field(default_factory=time.monotonic)
 
 
 class Admission:
@@ -49,8 +59,10 @@ class Admission:
         engines: Callable[[], Sequence[EngineSnapshot]],
         accepting: Callable[[], bool],
         on_reject: Callable[[str], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._config = config
+        self._clock = clock
         self._engines = engines
         self._accepting = accepting
         self._on_reject = on_reject or (lambda reason: None)
@@ -112,6 +124,24 @@ class Admission:
         self._on_reject(reason)
         return GatewayError(status, message, code=reason, retry_after=retry_after, reason=reason)
 
+    def check_cost(self, cost: int) -> None:
+        """400 for a request no engine could ever take, rather than a queue timeout."""
+        e = self._config().engine
+        # An idle engine takes any one sequence (routing's rule 1), and a sequence never
+        # costs more than max_model_len: that much always fits eventually.
+        ceiling = max(e.max_inflight_tokens, e.max_model_len)
+        if cost > ceiling:
+            self._on_reject("too_many_tokens")
+            raise GatewayError(
+                400,
+                f"this request may take up to {cost} tokens on an engine (answers per "
+                f"prompt x (prompt + max_tokens), for each prompt), more than an engine "
+                f"takes at once ({ceiling}); ask for fewer tokens, fewer answers (n, "
+                "best_of) or fewer prompts",
+                code="too_many_tokens",
+                reason="too_many_tokens",
+            )
+
     async def acquire(
         self,
         cost: int,
@@ -121,6 +151,7 @@ class Admission:
         exclude: frozenset[int] = frozenset(),
     ) -> int:
         """An engine id with a slot reserved for this request; release() it when done."""
+        self.check_cost(cost)
         if not self._accepting():
             raise self._reject(503, "the server is shutting down", "shutting_down", 5)
         g = self._config().gateway
@@ -151,9 +182,9 @@ class Admission:
                         503, "the server is busy; batch requests are shed first", "shed_batch", 5
                     )
                 )
-        waiter = _Waiter(cost, session, exclude, batch)
+        waiter = _Waiter(cost, session, exclude, batch, self._clock())
         (self._batch if batch else self._interactive).append(waiter)
-        self.kick()  # room may exist for it (a blocked head waits for another engine)
+        self.kick()  # room may exist for it: waiters ahead may be waiting for more room
         try:
             return await asyncio.wait_for(asyncio.shield(waiter.future), g.queue_timeout_s)
         except TimeoutError:
@@ -183,8 +214,16 @@ class Admission:
         if not waiter.future.done():
             waiter.future.cancel()
 
-    def _route(self, cost: int, session: str | None, exclude: frozenset[int]) -> int | None:
-        loads = self.loads()
+    def _route(
+        self,
+        cost: int,
+        session: str | None,
+        exclude: frozenset[int],
+        loads: list[EngineLoad] | None = None,
+    ) -> int | None:
+        """Reserve a slot on the engine routing picks; ``loads`` if the caller has them."""
+        if loads is None:
+            loads = self.loads()
         if exclude:
             loads = [x for x in loads if x.id not in exclude]
         chosen = route(loads, cost, session, self._affinity)
@@ -205,20 +244,49 @@ class Admission:
         self.kick()
 
     def kick(self) -> None:
-        """Hand free slots to waiters, interactive first, in arrival order."""
+        """Hand free slots to waiters: interactive first, each queue in arrival order,
+        a waiter that does not fit now passed by smaller ones until it has aged."""
+        if not self._interactive and not self._batch:
+            return
+        now = self._clock()
+        aging_s = self._config().gateway.queue_aging_s
         for queue in (self._interactive, self._batch):
-            while queue:
-                head = queue[0]
-                if head.future.done():
-                    queue.popleft()
-                    continue
-                chosen = self._route(head.cost, head.session, head.exclude)
-                if chosen is None:
-                    break
+            if not self._serve(queue, now, aging_s):
+                return  # an aged waiter holds the line, for batch waiters too
+
+    def _serve(self, queue: collections.deque[_Waiter], now: float, aging_s: float) -> bool:
+        """Serve the waiters of ``queue`` that fit; False when an aged one did not."""
+        passed: list[_Waiter] = []  # looked at, still waiting: they keep their places
+        loads: list[EngineLoad] | None = None
+        refused_at: int | None = None  # the smallest cost no engine could take just now
+        held = False
+        while queue:
+            waiter = queue[0]
+            if waiter.future.done():
                 queue.popleft()
-                head.future.set_result(chosen)
-            if queue:
-                return  # interactive waiters still waiting: batch must not jump them
+                continue
+            if loads is None:
+                loads = self.loads()
+                if not any(x.accepting and x.inflight < x.max_inflight for x in loads):
+                    break  # no free slot anywhere: nobody fits, whatever the cost
+            chosen = None
+            # Without an exclusion, a waiter no smaller than one refused just now is
+            # refused as well: skip the routing (a long queue stays cheap to scan).
+            if waiter.exclude or refused_at is None or waiter.cost < refused_at:
+                chosen = self._route(waiter.cost, waiter.session, waiter.exclude, loads)
+            queue.popleft()
+            if chosen is not None:
+                waiter.future.set_result(chosen)
+                loads = None  # that engine's load changed
+                continue
+            passed.append(waiter)
+            if not waiter.exclude:
+                refused_at = waiter.cost if refused_at is None else min(refused_at, waiter.cost)
+            if now - waiter.since >= aging_s:
+                held = True  # waited long enough: nobody behind it may pass it now
+                break
+        queue.extendleft(reversed(passed))
+        return not held
 
     def fail_waiters(self, reason: str, message: str) -> None:
         """Refuse everyone waiting (shutdown)."""

@@ -35,6 +35,8 @@ from aiohttp import web
 from aiohttp.http import HttpVersion11
 from aiohttp.web_protocol import RequestPayloadError
 
+from appliance.config import GatewayConfig
+from appliance.gateway.cost import request_cost
 from appliance.gateway.errors import GatewayError, sse_error_event
 from appliance.gateway.splice import UpstreamError, request_bytes
 from appliance.policy.routing import session_key
@@ -44,8 +46,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("appliance.gateway")
 
-DEFAULT_MAX_TOKENS = 16  # vLLM's completions default when max_tokens is absent
-CHARS_PER_TOKEN = 4  # prompt estimate; exact counts need the engine's tokenizer
 HOP_HEADERS = frozenset(
     {
         "connection",
@@ -65,8 +65,9 @@ class ParsedRequest:
     route: str
     model: str
     stream: bool
-    cost: int
+    cost: int  # tokens, as appliance/gateway/cost.py counts them
     session: str | None
+    body: bytes  # what the engine is sent: the client's bytes, unless a field had to be set
 
 
 @dataclass(eq=False, slots=True)
@@ -118,8 +119,18 @@ def _bad(message: str, param: str | None = None) -> GatewayError:
     return GatewayError(400, message, param=param, code="invalid_request", reason="bad_request")
 
 
-def parse_body(route: str, raw: bytes, headers: Any, max_tokens_cap: int) -> ParsedRequest:
-    """Check what the gateway needs to know; the engine validates the rest."""
+def _dump(body: dict[str, Any]) -> bytes:
+    try:
+        return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+    except UnicodeEncodeError:  # a lone surrogate (from a \ud800 escape) stays escaped
+        return json.dumps(body, separators=(",", ":")).encode()
+
+
+def parse_body(
+    route: str, raw: bytes, headers: Any, limits: GatewayConfig, max_model_len: int
+) -> ParsedRequest:
+    """Check what the gateway needs to know and what the request costs; the engine
+    validates the rest. The body is re-serialized only when a field must be set."""
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError, RecursionError):
@@ -144,25 +155,14 @@ def parse_body(route: str, raw: bytes, headers: Any, max_tokens_cap: int) -> Par
         inp = body.get("input")
         if not isinstance(inp, (str, list)) or (isinstance(inp, list) and not inp):
             raise _bad("'input' must be a string or a non-empty list", "input")
-    max_tokens = 0
-    if route != "embeddings":
-        for name in ("max_tokens", "max_completion_tokens"):
-            value = body.get(name)
-            if value is None:
-                continue
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise _bad(f"'{name}' must be a positive integer", name)
-            if value > max_tokens_cap:
-                # Refused, not clamped: a silently shorter answer is worse than a clear no.
-                raise _bad(
-                    f"'{name}' = {value} is above this server's limit of {max_tokens_cap}", name
-                )
-            max_tokens = max(max_tokens, value)
-        max_tokens = max_tokens or DEFAULT_MAX_TOKENS
+    cost = request_cost(route, body, limits, max_model_len)
+    if cost.write is not None:
+        name, value = cost.write
+        body[name] = value
+        raw = _dump(body)
     user = body.get("user")
     session = session_key(user if isinstance(user, str) else None, headers.get("X-Session-Id"))
-    cost = len(raw) // CHARS_PER_TOKEN + max_tokens
-    return ParsedRequest(route, model, stream, cost, session)
+    return ParsedRequest(route, model, stream, cost.tokens, session, raw)
 
 
 class Relay:
@@ -224,7 +224,9 @@ class Relay:
         except (RequestPayloadError, aiohttp.ClientPayloadError, ValueError) as exc:
             # e.g. Content-Encoding: gzip on a body that is not gzip
             raise _bad(f"the request body could not be read ({type(exc).__name__})") from None
-        parsed = parse_body(route, raw, request.headers, cfg.max_tokens_cap)
+        parsed = parse_body(
+            route, raw, request.headers, cfg, gw.supervisor.config.engine.max_model_len
+        )
         if parsed.model not in gw.model_names():
             raise GatewayError(
                 404,
@@ -234,6 +236,7 @@ class Relay:
                 code="model_not_found",
                 reason="model_not_found",
             )
+        gw.admission.check_cost(parsed.cost)  # before tpm: never charge what cannot run
         limited = gw.ratelimiter.check(record.id, record.rpm, record.tpm, parsed.cost)
         if limited is not None:
             which, wait = limited
@@ -255,7 +258,7 @@ class Relay:
             )
             gw.metrics.queue_wait.observe(time.monotonic() - queued)
             try:
-                result = await self._relay(request, engine_id, path, raw, parsed, started)
+                result = await self._relay(request, engine_id, path, parsed.body, parsed, started)
             finally:
                 gw.admission.release(engine_id, parsed.cost)
             if isinstance(result, web.StreamResponse):

@@ -1,8 +1,11 @@
-"""Admission and rate limits without HTTP: budgets, queue order, shedding, breaker."""
+"""Admission and rate limits without HTTP: budgets, queue order, shedding, breaker,
+head-of-line passing and aging, and refusing what can never fit."""
 
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Callable
 
 import pytest
 
@@ -21,18 +24,46 @@ def make(
     max_queue: int = 4,
     queue_timeout_s: float = 1.0,
     states: list[EngineState] | None = None,
+    aging_s: float = 10.0,
+    max_model_len: int = 16,
+    clock: Callable[[], float] = time.monotonic,
 ) -> tuple[Admission, list[EngineSnapshot], list[str]]:
     cfg = Config(
-        engine=EngineConfig(max_inflight=max_inflight, max_inflight_tokens=tokens),
-        gateway=GatewayConfig(max_queue=max_queue, queue_timeout_s=queue_timeout_s),
+        engine=EngineConfig(
+            max_inflight=max_inflight, max_inflight_tokens=tokens, max_model_len=max_model_len
+        ),
+        gateway=GatewayConfig(
+            max_queue=max_queue, queue_timeout_s=queue_timeout_s, queue_aging_s=aging_s
+        ),
     )
     snaps = [
         EngineSnapshot(i, None, 9000 + i, (states or [EngineState.READY] * n)[i], "k")
         for i in range(n)
     ]
     rejected: list[str] = []
-    adm = Admission(lambda: cfg, lambda: snaps, lambda: True, on_reject=rejected.append)
+    adm = Admission(
+        lambda: cfg, lambda: snaps, lambda: True, on_reject=rejected.append, clock=clock
+    )
     return adm, snaps, rejected
+
+
+class Clock:
+    """A monotonic clock the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def queued(adm: Admission, cost: int, *, batch: bool = False) -> asyncio.Future[int]:
+    """acquire() started and (the engines having no room for it) waiting in the queue."""
+    depth = adm.queue_depth
+    fut = asyncio.ensure_future(adm.acquire(cost, batch=batch))
+    await asyncio.sleep(0)
+    assert not fut.done() and adm.queue_depth == depth + 1
+    return fut
 
 
 async def test_spreads_by_outstanding_tokens_and_respects_the_sequence_budget() -> None:
@@ -183,3 +214,119 @@ def test_rate_limiter_refills_over_time_and_says_when() -> None:
     refused = rl.check("k", 60, None, 1, now=0.0)
     assert refused is not None and refused[1] == pytest.approx(1.0)
     assert rl.check("k", 60, None, 1, now=1.01) is None
+
+
+# ---- head of line: a big waiter does not hold up small ones, until it has aged ----------
+
+
+async def test_a_waiter_too_large_for_now_lets_smaller_ones_pass() -> None:
+    adm, _, _ = make(n=1, max_inflight=8, tokens=1000)
+    assert await adm.acquire(600) == 0  # running
+    big = await queued(adm, 500)  # 600 + 500 > 1000: waits for room
+    # A small request behind it is not held up although the queue is not empty.
+    assert await asyncio.wait_for(adm.acquire(100), 0.5) == 0
+    assert await asyncio.wait_for(adm.acquire(300), 0.5) == 0  # exactly fills the budget
+    assert not big.done()
+    adm.release(0, 600)
+    adm.release(0, 300)
+    assert await asyncio.wait_for(big, 0.5) == 0  # 100 + 500 fits now
+    assert adm.inflight_tokens(0) == 600 and adm.queue_depth == 0
+
+
+async def test_an_aged_waiter_is_passed_by_nobody_until_it_fits() -> None:
+    clock = Clock()
+    adm, _, _ = make(n=1, max_inflight=8, tokens=1000, aging_s=5.0, clock=clock)
+    await adm.acquire(600)
+    big = await queued(adm, 500)
+    clock.now += 4.9
+    assert await asyncio.wait_for(adm.acquire(100), 0.5) == 0  # not aged yet: passed
+    clock.now += 0.1
+    small = await queued(adm, 100)  # aged: it would fit, but must not pass
+    adm.release(0, 100)  # 600 + 500 still does not fit: everyone keeps waiting
+    assert not big.done() and not small.done()
+    adm.release(0, 600)
+    assert await asyncio.wait_for(big, 0.5) == 0
+    assert await asyncio.wait_for(small, 0.5) == 0  # right behind it
+    assert adm.inflight_tokens(0) == 600
+
+
+async def test_zero_aging_keeps_strict_arrival_order() -> None:
+    adm, _, _ = make(n=1, max_inflight=8, tokens=1000, aging_s=0)
+    await adm.acquire(600)
+    big = await queued(adm, 500)
+    small = await queued(adm, 100)
+    adm.release(0, 600)
+    assert [await big, await small] == [0, 0]
+
+
+async def test_an_aged_interactive_waiter_holds_batch_back_too() -> None:
+    clock = Clock()
+    adm, _, _ = make(n=1, max_inflight=8, tokens=1000, aging_s=5.0, clock=clock)
+    await adm.acquire(600)
+    big = await queued(adm, 500)
+    # Not aged: a small batch request may use the room the big one cannot.
+    assert await asyncio.wait_for(adm.acquire(50, batch=True), 0.5) == 0
+    clock.now += 5
+    batch = await queued(adm, 50, batch=True)
+    adm.release(0, 50)
+    assert not batch.done()
+    adm.release(0, 600)
+    assert await big == 0 and await batch == 0
+
+
+async def test_interactive_that_fits_is_served_before_batch_behind_a_big_one() -> None:
+    adm, _, _ = make(n=1, max_inflight=2, tokens=1000)
+    first = await adm.acquire(600)
+    await adm.acquire(10)  # both sequence slots taken
+    big = await queued(adm, 500)
+    batch = await queued(adm, 10, batch=True)
+    inter = await queued(adm, 10)
+    adm.release(0, 10)  # one slot: the small interactive one gets it, not the batch one
+    assert await asyncio.wait_for(inter, 0.5) == 0
+    assert not batch.done() and not big.done()
+    adm.release(first, 600)
+    assert await asyncio.wait_for(big, 0.5) == 0
+    adm.release(0, 10)
+    assert await asyncio.wait_for(batch, 0.5) == 0
+
+
+async def test_a_retry_waiting_for_another_engine_does_not_hold_up_the_queue() -> None:
+    adm, _, _ = make(n=2, max_inflight=1)
+    assert await adm.acquire(10, exclude=frozenset({0})) == 1  # engine 1 now full
+    retry = asyncio.ensure_future(adm.acquire(10, exclude=frozenset({0})))
+    await asyncio.sleep(0)
+    assert not retry.done() and adm.queue_depth == 1
+    assert await asyncio.wait_for(adm.acquire(10), 0.5) == 0  # engine 0 is free
+    adm.release(1, 10)
+    assert await asyncio.wait_for(retry, 0.5) == 1
+
+
+# ---- what can never fit is refused at once ----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("tokens", "max_model_len", "cost", "fits"),
+    [
+        (1000, 16, 1000, True),  # the whole budget: runs (on an idle engine if need be)
+        (1000, 16, 1001, False),
+        (1000, 4096, 4096, True),  # one sequence never costs more than max_model_len
+        (1000, 4096, 4097, False),
+    ],
+)
+async def test_a_request_no_engine_can_ever_take_is_400_at_once(
+    tokens: int, max_model_len: int, cost: int, fits: bool
+) -> None:
+    adm, _, rejected = make(n=2, tokens=tokens, max_model_len=max_model_len, max_inflight=1)
+    await adm.acquire(1)
+    await adm.acquire(1)  # every engine busy: a request that fits must wait
+    if fits:
+        waiter = await queued(adm, cost)
+        adm.release(0, 1)
+        assert await asyncio.wait_for(waiter, 0.5) == 0  # idle engine: takes it whole
+        return
+    with pytest.raises(GatewayError) as ei:
+        await adm.acquire(cost)
+    err = ei.value
+    assert err.status == 400 and err.code == "too_many_tokens"
+    assert str(cost) in err.message and "fewer tokens" in err.message
+    assert rejected == ["too_many_tokens"] and adm.queue_depth == 0
