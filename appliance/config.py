@@ -110,6 +110,14 @@ class GatewayConfig:
         "prompt is counted in the request's token cost.",
         lo=1,
     )
+    max_answer_bytes: int = _f(
+        33554432,
+        "Largest non-streamed answer the gateway relays (it holds each one whole); "
+        "larger gets 502 and should be streamed. The default (32 MiB) holds the "
+        "longest plain-text answer the other limits allow many times over, and a "
+        "full batch of float embeddings of a small model.",
+        lo=65536,
+    )
     max_queue: int = _f(
         256, "Requests waiting for an engine beyond this get 503 with Retry-After.", lo=0
     )

@@ -26,7 +26,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -38,7 +38,7 @@ from aiohttp.web_protocol import RequestPayloadError
 from appliance.config import GatewayConfig
 from appliance.gateway.cost import request_cost
 from appliance.gateway.errors import GatewayError, sse_error_event
-from appliance.gateway.splice import UpstreamError, request_bytes
+from appliance.gateway.splice import AnswerTooLarge, UpstreamError, request_bytes
 from appliance.policy.routing import session_key
 
 if TYPE_CHECKING:
@@ -113,6 +113,20 @@ def _given_up(attempt: _Attempt) -> bool:
     client that went away cancels too, and that one must go on)."""
     task = asyncio.current_task()
     return bool(attempt.why) and task is not None and task.uncancel() == 0
+
+
+async def _read_limited(upstream: aiohttp.ClientResponse, limit: int) -> bytes:
+    """aiohttp's ``read()``, holding no more than ``limit`` bytes."""
+    if upstream.content_length is not None and upstream.content_length > limit:
+        raise AnswerTooLarge(limit)  # said up front: read none of it
+    chunks = []
+    size = 0
+    async for chunk in upstream.content.iter_any():
+        size += len(chunk)
+        if size > limit:
+            raise AnswerTooLarge(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _bad(message: str, param: str | None = None) -> GatewayError:
@@ -282,6 +296,23 @@ class Relay:
             )
         raise AssertionError("unreachable")
 
+    async def _read_whole(self, read: Callable[[int], Awaitable[bytes]]) -> bytes:
+        """A non-streamed answer (both relay paths), which the daemon must hold whole
+        before sending it on: never more than gateway.max_answer_bytes of it. Beyond,
+        502, not a retry: another engine would answer the same."""
+        limit = self.gw.supervisor.config.gateway.max_answer_bytes
+        try:
+            return await read(limit)
+        except AnswerTooLarge:
+            raise GatewayError(
+                502,
+                f"the engine's answer is larger than {limit} bytes, the most this server "
+                'relays unstreamed (gateway.max_answer_bytes); ask for it with "stream": '
+                "true, or for fewer tokens",
+                code="answer_too_large",
+                reason="answer_too_large",
+            ) from None
+
     async def _relay(
         self,
         request: web.Request,
@@ -338,7 +369,7 @@ class Relay:
             if upstream.status in RETRYABLE_STATUS:
                 return f"engine answered {upstream.status}"
             if not parsed.stream or upstream.status != 200:
-                body = await upstream.read()
+                body = await self._read_whole(lambda limit: _read_limited(upstream, limit))
                 resp = web.Response(
                     status=upstream.status,
                     body=body,
@@ -385,7 +416,7 @@ class Relay:
             if head.status in RETRYABLE_STATUS:
                 return f"engine answered {head.status}"
             if head.status != 200 or not head.chunked:
-                body = await conn.read_body()
+                body = await self._read_whole(conn.read_body)
                 self.gw.metrics.ttft.labels(parsed.route).observe(time.monotonic() - started)
                 return web.Response(
                     status=head.status,

@@ -46,6 +46,15 @@ class UpstreamError(Exception):
     """The engine connection failed or spoke bad HTTP; ``str()`` says how."""
 
 
+class AnswerTooLarge(UpstreamError):
+    """A non-streamed answer is larger than the caller's limit: not the engine's fault,
+    and another engine would answer the same, so the relay does not retry it."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"the engine's answer is larger than {limit} bytes")
+        self.limit = limit
+
+
 @dataclass(frozen=True, slots=True)
 class Head:
     status: int
@@ -169,6 +178,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._remaining = 0
         self._collected: list[bytes] = []
         self._collected_bytes = 0
+        self._body_limit = MAX_BODY_BYTES
         self._closed = False
         self._head: asyncio.Future[Head] | None = None
         self._event: asyncio.Future[None] | None = None
@@ -228,12 +238,19 @@ class UpstreamConnection(asyncio.Protocol):
         if self.transport is not None:
             self.transport.close()
 
-    async def read_body(self) -> bytes:
-        """The whole body of a non-streamed answer."""
+    async def read_body(self, limit: int = MAX_BODY_BYTES) -> bytes:
+        """The whole body of a non-streamed answer; AnswerTooLarge (and the connection
+        closed) once it passes ``limit`` bytes, so no more than that is ever held."""
+        self._body_limit = limit
+        if self._framing is _Framing.LENGTH and self._remaining > limit:
+            self.abort("the engine's answer is too large")  # said up front: read none
+            raise AnswerTooLarge(limit)
         self._consumer = _Consumer.COLLECT
         self._advance()
         while self._phase is not _Phase.DONE:
             await self._wait()
+        if self._collected_bytes > limit:
+            raise AnswerTooLarge(limit)
         if self.error is not None:
             raise self.error
         return b"".join(self._collected)
@@ -404,7 +421,8 @@ class UpstreamConnection(asyncio.Protocol):
         for piece in pieces:
             self._collected.append(piece)
             self._collected_bytes += len(piece)
-        if self._collected_bytes > MAX_BODY_BYTES:
+        if self._collected_bytes > self._body_limit:
+            self._collected.clear()  # the count stays: read_body says why
             raise UpstreamError("the engine's answer is too large")
 
 

@@ -61,6 +61,7 @@ GOOD: list[tuple[str, Any, Any, dict[str, Any]]] = [
     ("gateway.max_n", 128, 128, {}),
     ("gateway.max_best_of", 1, 1, {}),
     ("gateway.max_prompts", 1, 1, {}),
+    ("gateway.max_answer_bytes", 65536, 65536, {}),
     ("gateway.queue_aging_s", 0, 0.0, {}),
     ("gateway.max_queue", 0, 0, {}),
     ("gateway.queue_timeout_s", 5, 5.0, {}),  # an int is fine where a number is wanted
@@ -143,6 +144,7 @@ BAD: list[Any] = [
     ("gateway.max_n", 16385, "16385", "must be >= 1 and <= 16384"),
     ("gateway.max_best_of", 0, "0", "must be >= 1 and <= 16384"),
     ("gateway.max_prompts", 0, "0", "must be >= 1"),
+    ("gateway.max_answer_bytes", 65535, "65535", "must be >= 65536"),
     ("gateway.queue_aging_s", -1, "-1", "must be >= 0"),
     ("gateway.max_queue", -1, "-1", "must be >= 0"),
     ("gateway.queue_timeout_s", 0, "0", "must be > 0"),
