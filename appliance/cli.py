@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from appliance import __version__
-from appliance.config import Config, load_config
+from appliance.config import Config, config_warnings, load_config
 from appliance.errors import EXIT_CONFIG, ApplianceError, ConfigError
 
 
@@ -79,6 +79,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_check_config(args: argparse.Namespace) -> int:
     config = _load(args)
     print(config.summary())
+    # On stderr: stdout stays the one-line summary that scripts read.
+    for warning in config_warnings(config):
+        print(f"llm-appliance: warning: {warning}", file=sys.stderr)
     return 0
 
 

@@ -561,6 +561,39 @@ def _cross_check(cfg: Config, problems: list[str]) -> None:
         )
 
 
+def _placeholders(arg: str) -> set[str]:
+    try:
+        return {f for _, f, _, _ in string.Formatter().parse(arg) if f is not None}
+    except ValueError:
+        return set()  # a config problem of its own, named by _cross_check
+
+
+def config_warnings(cfg: Config) -> list[str]:
+    """Settings that are allowed but unwise, each with what to do instead.
+
+    ``check-config`` prints them after its summary (still exit 0) and ``serve`` logs them
+    at WARNING when it starts: they are choices an admin may make on purpose, so they
+    never stop the service.
+    """
+    warnings: list[str] = []
+    g, e = cfg.gateway, cfg.engine
+    if not _is_loopback(g.host) and not g.tls_cert:
+        warnings.append(
+            f"gateway.host = {_show(g.host)} (allow_lan = true) without tls_cert/tls_key: "
+            "API keys, prompts and answers cross the network in clear text, readable "
+            "and replayable by anyone on the path; set gateway.tls_cert and "
+            "gateway.tls_key (docs/security.md)"
+        )
+    for i, arg in enumerate(e.command):
+        if "api_key" in _placeholders(arg):
+            warnings.append(
+                f"engine.command[{i}] = {_show(arg)}: {{api_key}} puts the engine key on a "
+                "command line, which every local user can read (ps, /proc/PID/cmdline); "
+                "remove it: the engine gets its key in VLLM_API_KEY"
+            )
+    return warnings
+
+
 def parse_config(raw: Mapping[str, Any], source: str = "") -> Config:
     """Validate a parsed TOML document; raise ConfigError naming every problem."""
     problems: list[str] = []

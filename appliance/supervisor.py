@@ -34,7 +34,7 @@ import aiohttp
 from aiohttp import web
 
 from appliance import paths, proctree
-from appliance.config import Config, load_config
+from appliance.config import Config, config_warnings, load_config
 from appliance.engine import (
     EngineSnapshot,
     EngineSpec,
@@ -1038,6 +1038,8 @@ class Supervisor:
 async def serve(config: Config, config_arg: str | None = None) -> int:
     from appliance.gateway.app import start_gateway
 
+    for warning in config_warnings(config):
+        log.warning("config: %s", warning)
     supervisor = Supervisor(config, config_arg=config_arg)
     try:
         return await supervisor.run(start_http=start_gateway)

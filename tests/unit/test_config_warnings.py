@@ -1,0 +1,77 @@
+"""Settings that are allowed but unwise: `check-config` names them (still exit 0) and
+`serve` logs them at start."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from appliance import config as config_mod
+from appliance.cli import main
+from appliance.config import CONFIG_ENV, Config, EngineConfig, config_warnings, parse_config
+
+LAN = {"host": "0.0.0.0", "allow_lan": True}
+TLS = {"tls_cert": "/etc/llm-appliance/cert.pem", "tls_key": "/etc/llm-appliance/key.pem"}
+COMMAND = ["{python}", "-m", "vllm.entrypoints.openai.api_server", "--uds", "{uds}"]
+
+
+def warnings_for(raw: dict[str, Any]) -> list[str]:
+    return config_warnings(parse_config(raw))
+
+
+def command_warnings(command: list[str]) -> list[str]:
+    # Built directly: which other placeholders a command needs is parse_config's business.
+    return config_warnings(Config(engine=EngineConfig(command=command)))
+
+
+def test_the_defaults_warn_about_nothing() -> None:
+    assert warnings_for({}) == []
+
+
+def test_lan_without_tls_warns_and_says_why_and_what_to_do() -> None:
+    (warning,) = warnings_for({"gateway": LAN})
+    assert warning.startswith('gateway.host = "0.0.0.0" (allow_lan = true) without tls_cert')
+    assert "clear text" in warning
+    assert "set gateway.tls_cert and gateway.tls_key" in warning
+
+
+@pytest.mark.parametrize(
+    "gateway",
+    [
+        {**LAN, **TLS},  # LAN with TLS
+        {"host": "127.0.0.1", "allow_lan": True},  # allowed, but nothing leaves the box
+        {"host": "::1", "allow_lan": True},
+    ],
+)
+def test_no_warning_when_nothing_crosses_the_network_in_clear(gateway: dict[str, Any]) -> None:
+    assert warnings_for({"gateway": gateway}) == []
+
+
+@pytest.mark.parametrize("arg", ["{api_key}", "--api-key={api_key}", "KEY:{api_key}:x"])
+def test_the_api_key_placeholder_in_a_command_warns(arg: str) -> None:
+    (warning,) = command_warnings([*COMMAND, "--api-key", arg])
+    assert warning.startswith(f'engine.command[6] = "{arg}": {{api_key}} puts the engine key')
+    assert "every local user can read" in warning
+    assert "VLLM_API_KEY" in warning
+
+
+def test_a_command_without_the_placeholder_does_not_warn() -> None:
+    # A literal brace pair is not the placeholder.
+    assert command_warnings([*COMMAND, "--note", "{{api_key}}"]) == []
+
+
+def test_check_config_prints_warnings_after_the_summary_and_exits_0(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(config_mod, "DEFAULT_CONFIG_PATH", tmp_path / "missing.toml")
+    monkeypatch.delenv(CONFIG_ENV, raising=False)
+    path = tmp_path / "c.toml"
+    path.write_text('[gateway]\nhost = "0.0.0.0"\nallow_lan = true\n')
+    assert main(["check-config", "--config", str(path)]) == 0
+    out, err = capsys.readouterr()
+    # stdout stays the one-line summary scripts read; the warnings go to stderr.
+    assert out.count("\n") == 1 and out.startswith(f"config ok ({path})")
+    (line,) = err.splitlines()
+    assert line.startswith('llm-appliance: warning: gateway.host = "0.0.0.0" (allow_lan')
