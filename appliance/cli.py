@@ -125,6 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     keys_cli.add_parser(sub, common)
     status.add_parser(sub, common)
+    from appliance import doctor
+
+    doctor.add_parser(sub, common)
     return parser
 
 

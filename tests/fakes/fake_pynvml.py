@@ -89,6 +89,9 @@ class FakeGpu:
     utilization_pct: Scripted = 0
     sm_clock_mhz: Scripted = 2520
     clock_reasons: Scripted = 0
+    persistence_mode: Scripted = _real.NVML_FEATURE_ENABLED
+    # Compute processes holding memory on it: (pid, used bytes or None when not known).
+    processes: Scripted = ()
     lost: bool = False  # fell off the bus: every call on it raises GpuIsLost
     handle_error: Scripted = None  # raised by nvmlDeviceGetHandleBy* when set
     generation: int = 0  # bump (reset_gpu) to make old handles stale
@@ -118,6 +121,7 @@ class FakeNvml:
     count_error: Scripted = None
     shutdown_error: Scripted = None
     strings_as_bytes: bool = False
+    driver_version: Scripted = "570.124.06"
     reasons_api: ReasonsApi = "event"
     refcount: int = 0
     init_calls: int = 0
@@ -256,6 +260,21 @@ class FakeNvml:
         gpu = self._gpu(handle, "nvmlDeviceGetCurrentClocksThrottleReasons")
         return int(_value(gpu.clock_reasons))
 
+    def nvmlSystemGetDriverVersion(self) -> str | bytes:
+        self._check_init()
+        return self._string(_value(self.driver_version))
+
+    def nvmlDeviceGetPersistenceMode(self, handle: Any) -> int:
+        return int(_value(self._gpu(handle, "nvmlDeviceGetPersistenceMode").persistence_mode))
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: Any) -> list[Any]:
+        gpu = self._gpu(handle, "nvmlDeviceGetComputeRunningProcesses")
+        # The real binding returns friendly objects with these two attributes (and more).
+        return [
+            types.SimpleNamespace(pid=pid, usedGpuMemory=used)
+            for pid, used in _value(gpu.processes)
+        ]
+
     # -- the module ------------------------------------------------------------------
 
     _FUNCTIONS = (
@@ -275,6 +294,9 @@ class FakeNvml:
         "nvmlDeviceGetClockInfo",
         "nvmlDeviceGetCurrentClocksEventReasons",
         "nvmlDeviceGetCurrentClocksThrottleReasons",
+        "nvmlSystemGetDriverVersion",
+        "nvmlDeviceGetPersistenceMode",
+        "nvmlDeviceGetComputeRunningProcesses",
     )
     _REAL_PREFIXES = ("NVML_", "NVMLError", "nvmlClocksEventReason", "nvmlClocksThrottleReason")
     _REAL_NAMES = ("c_nvmlMemory_t", "c_nvmlUtilization_t", "nvmlExceptionClass")
