@@ -32,7 +32,9 @@ from appliance.errors import ConfigError
 
 DEFAULT_CONFIG_PATH = Path("/etc/llm-appliance/config.toml")
 CONFIG_ENV = "LLM_APPLIANCE_CONFIG"
-COMMAND_PLACEHOLDERS = frozenset({"python", "model", "port", "gpu", "api_key", "served_model_name"})
+COMMAND_PLACEHOLDERS = frozenset(
+    {"python", "model", "uds", "port", "gpu", "api_key", "served_model_name"}
+)
 MAX_GPUS = 8
 # The supervisor's own variables: the tree tag finds an engine's processes, systemd's
 # socket must never reach an engine, and GPU pinning is engine i -> GPU i.
@@ -47,6 +49,7 @@ RESERVED_ENGINE_ENV = frozenset(
 )
 
 Device = Literal["auto", "cuda", "cpu"]
+Listen = Literal["unix", "tcp"]
 
 
 def _f(
@@ -169,7 +172,17 @@ class EngineConfig:
         lo=1,
         hi=MAX_GPUS,
     )
-    port_base: int = _f(8100, "Engine i listens on 127.0.0.1:port_base+i.", lo=1024, hi=65535)
+    listen: Listen = _f(
+        "unix",
+        "Where engines listen. `unix`: a socket in the service's private runtime "
+        "directory (0700), which no other local user can reach, squat or impersonate. "
+        "`tcp`: 127.0.0.1:port_base+i, reachable by every local user; the supervisor "
+        "then checks that the listener belongs to the engine's own process tree before "
+        "it sends the engine key or marks it READY.",
+    )
+    port_base: int = _f(
+        8100, "With listen = tcp: engine i listens on 127.0.0.1:port_base+i.", lo=1024, hi=65535
+    )
     max_model_len: int = _f(4096, "vLLM `--max-model-len`.", lo=16)
     max_num_batched_tokens: int = _f(8192, "vLLM `--max-num-batched-tokens`.", lo=16)
     gpu_memory_utilization: float = _f(
@@ -191,8 +204,11 @@ class EngineConfig:
     env: dict[str, str] = _f({}, "Added to each engine's environment.")
     command: list[str] = _f(
         [],
-        "Replaces the whole engine command. Placeholders: {python} "
-        "{model} {port} {gpu} {api_key} {served_model_name}.",
+        "Replaces the whole engine command. Placeholders: {python} {model} {uds} "
+        "{port} {gpu} {served_model_name}; it must contain {uds} with listen = unix "
+        "and {port} with listen = tcp. The engine key is in the environment "
+        "(VLLM_API_KEY); {api_key} also works but puts it on a command line that "
+        "every local user can read (check-config warns).",
     )
     startup_timeout_s: float = _f(900.0, "Longest an engine may take to become ready.", lo=1)
     stop_timeout_s: float = _f(
@@ -270,7 +286,17 @@ class RestartConfig:
     )
     backoff_max_s: float = _f(300.0, "Longest wait between restarts.", lo=0)
     max_restarts_per_hour: int = _f(
-        6, "More restarts than this within an hour leave the engine FAILED.", lo=0
+        6,
+        "More unplanned restarts (crash, hung, startup_timeout) than this within an hour "
+        "leave the engine FAILED.",
+        lo=0,
+    )
+    max_planned_restarts_per_hour: int = _f(
+        6,
+        "Heat and degradation restarts allowed per engine within an hour, counted apart "
+        "from crashes: past it the engine keeps serving as it is (logged) instead of being "
+        "restarted again. Admin restarts are never refused by it.",
+        lo=0,
     )
     drain_timeout_s: float = _f(
         120.0, "Longest wait for in-flight work before a restart or shutdown goes ahead.", lo=0
@@ -479,6 +505,18 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+def _check_command_listens(e: EngineConfig, problems: list[str]) -> None:
+    """A custom command must tell its engine where to listen, or nothing can reach it."""
+    need = "uds" if e.listen == "unix" else "port"
+    if e.command and not any("{" + need + "}" in arg for arg in e.command):
+        problems.append(
+            f"engine.command: has no {{{need}}} placeholder, so the engine cannot know "
+            f'where to listen with engine.listen = "{e.listen}" (add "--{need}", '
+            f'"{{{need}}}"'
+            + (', or set engine.listen = "tcp" and use {port})' if need == "uds" else ")")
+        )
+
+
 def _cross_check(cfg: Config, problems: list[str]) -> None:
     g, e, t, th, r = cfg.gateway, cfg.engine, cfg.telemetry, cfg.thermal, cfg.restart
     if not _is_loopback(g.host) and not g.allow_lan:
@@ -509,11 +547,12 @@ def _cross_check(cfg: Config, problems: list[str]) -> None:
     )
     if e.port_base + count - 1 > 65535:
         problems.append(f"engine.port_base = {e.port_base}: engine ports would pass 65535")
-    elif e.port_base <= g.port < e.port_base + count:
+    elif e.listen == "tcp" and e.port_base <= g.port < e.port_base + count:
         problems.append(
             f"gateway.port = {g.port}: collides with engine ports "
             f"{e.port_base}..{e.port_base + count - 1} (engine.port_base)"
         )
+    _check_command_listens(e, problems)
     for i, arg in enumerate(e.command):
         try:
             names = [f for _, f, _, _ in string.Formatter().parse(arg) if f is not None]
@@ -626,11 +665,24 @@ def resolve_config_path(
     return DEFAULT_CONFIG_PATH, False
 
 
-def load_config(explicit: str | None = None, env: Mapping[str, str] | None = None) -> Config:
+def load_config(
+    explicit: str | None = None,
+    env: Mapping[str, str] | None = None,
+    *,
+    require_file: bool = False,
+) -> Config:
+    """The config from --config, $LLM_APPLIANCE_CONFIG or the default path.
+
+    A missing env/default file means the built-in defaults, except with ``require_file``
+    (a reload of a daemon that runs from a file: a file renamed away by an editor or a
+    half-finished deploy must not silently put every default back in force).
+    """
     path, must_exist = resolve_config_path(explicit, env)
     if path is None or not path.exists():
         if must_exist:
             raise ConfigError([f"--config {path}: no such file"], str(path))
+        if require_file:
+            raise ConfigError([f"{path}: no such file (the running config came from a file)"])
         return Config()
     try:
         text = path.read_text(encoding="utf-8")

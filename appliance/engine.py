@@ -8,10 +8,17 @@ out of step with another flag::
         │ (spawn)       │ (restart budget spent)       │ (process gone)
         ▼               ▼                              │
     STARTING ──► READY ◄──► DRAINING ──► STOPPING ─────┘
-        │          │                        ▲
-        │          └────────────────────────┤   (crash, hang, restart, shutdown)
+        │         ▲  │                      ▲
+        │ (a check │  │ (a failed check)     │   (crash, hang, restart, shutdown)
+        │  passes) │  ▼                      │
+        │        SUSPECT ───────────────────┤
         └───────────────────────────────────┘
                         FAILED ──(admin restart)──► STARTING
+
+SUSPECT is a READY engine that failed its last health check: it gets no new work at
+once (a frozen engine would otherwise be offered requests until it is declared hung,
+several checks later), goes back to READY on the next good check, and is replaced only
+after ``health.failures_to_restart`` failed checks in a row, as before.
 
 Only the supervisor moves states; everyone else reads :class:`EngineSnapshot` copies.
 Building the command line is a pure function here, so it is tested without processes.
@@ -26,12 +33,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from appliance.config import Config
+from appliance.endpoint import EngineAddress
 from appliance.errors import IllegalTransition
+
+# Stands for the engine key in an argv built before the key exists: each spawn gets a
+# new key (a key that leaked from one run is worthless to the next), so a command using
+# the {api_key} placeholder is completed at spawn time by :meth:`EngineSpec.argv_with_key`.
+API_KEY_SLOT = "\x00api_key\x00"
 
 
 class EngineState(enum.Enum):
     STARTING = "STARTING"  # process spawned, model loading, not yet answering a probe
     READY = "READY"  # answers a real completion; takes new work
+    SUSPECT = "SUSPECT"  # failed its last health check; no new work until one passes
     DRAINING = "DRAINING"  # alive, takes no new work; in-flight work finishes
     STOPPING = "STOPPING"  # SIGTERM sent to its process tree
     EXITED = "EXITED"  # no process; will be (re)started after backoff
@@ -44,7 +58,12 @@ class EngineState(enum.Enum):
 
 ALLOWED_TRANSITIONS: Mapping[EngineState, frozenset[EngineState]] = {
     EngineState.STARTING: frozenset({EngineState.READY, EngineState.STOPPING, EngineState.EXITED}),
-    EngineState.READY: frozenset({EngineState.DRAINING, EngineState.STOPPING, EngineState.EXITED}),
+    EngineState.READY: frozenset(
+        {EngineState.SUSPECT, EngineState.DRAINING, EngineState.STOPPING, EngineState.EXITED}
+    ),
+    EngineState.SUSPECT: frozenset(
+        {EngineState.READY, EngineState.DRAINING, EngineState.STOPPING, EngineState.EXITED}
+    ),
     EngineState.DRAINING: frozenset({EngineState.READY, EngineState.STOPPING, EngineState.EXITED}),
     EngineState.STOPPING: frozenset({EngineState.EXITED}),
     EngineState.EXITED: frozenset({EngineState.STARTING, EngineState.FAILED}),
@@ -74,11 +93,10 @@ class EngineSpec:
 
     id: int
     gpu: int | None  # CUDA index, or None on CPU
-    port: int
-    argv: tuple[str, ...]
-    api_key: str  # per-boot; the gateway adds it, clients never see it
+    address: EngineAddress
+    argv: tuple[str, ...]  # may hold API_KEY_SLOT: see argv_with_key
     tag: str  # LLM_APPLIANCE_ENGINE value inherited by its whole tree
-    env: Mapping[str, str] = field(default_factory=dict)
+    env: Mapping[str, str] = field(default_factory=dict)  # VLLM_API_KEY added per spawn
     served_model_name: str = ""
     # CPU engines: the cores its whole process tree is pinned to (None: not pinned).
     cpus: tuple[int, ...] | None = None
@@ -87,6 +105,18 @@ class EngineSpec:
     def name(self) -> str:
         return f"engine{self.id}"
 
+    @property
+    def port(self) -> int | None:
+        return self.address.port
+
+    def argv_with_key(self, api_key: str) -> tuple[str, ...]:
+        return tuple(a.replace(API_KEY_SLOT, api_key) for a in self.argv)
+
+    def env_with_key(self, api_key: str) -> dict[str, str]:
+        # The key travels in the environment: a command line is readable by every local
+        # user (ps, /proc/N/cmdline), another user's environment is not.
+        return {**self.env, "VLLM_API_KEY": api_key}
+
 
 @dataclass(frozen=True)
 class EngineSnapshot:
@@ -94,21 +124,25 @@ class EngineSnapshot:
 
     id: int
     gpu: int | None
-    port: int
+    address: EngineAddress
     state: EngineState
-    api_key: str
+    api_key: str  # this spawn's key; the gateway sends it, clients never see it
     pid: int | None = None
     restarts: int = 0
     last_restart_reason: str | None = None
     served_model_name: str = ""
 
     @property
+    def port(self) -> int | None:
+        return self.address.port
+
+    @property
     def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return self.address.base_url
 
 
 def new_api_key() -> str:
-    """A per-boot engine key: URL-safe and never starting with '-' (argv would eat it)."""
+    """A per-spawn engine key: URL-safe and never starting with '-' (argv would eat it)."""
     return "eng-" + secrets.token_urlsafe(32)
 
 
@@ -166,24 +200,35 @@ def build_argv(
     *,
     python: str,
     model: str,
-    port: int,
+    address: EngineAddress,
     gpu: int | None,
-    api_key: str,
     served_model_name: str,
     on_gpu: bool,
 ) -> tuple[str, ...]:
-    """The engine's command line: vLLM's OpenAI server, or the config's `command` override."""
+    """The engine's command line: vLLM's OpenAI server, or the config's `command` override.
+
+    The engine key is not in it (it goes in the environment); a `command` that asks for
+    it with {api_key} gets :data:`API_KEY_SLOT`, filled in at each spawn.
+    """
     e = config.engine
     if e.command:
         values = {
             "python": python,
             "model": model,
-            "port": str(port),
+            "uds": address.uds or "",
+            "port": "" if address.port is None else str(address.port),
             "gpu": "" if gpu is None else str(gpu),
-            "api_key": api_key,
+            "api_key": API_KEY_SLOT,
             "served_model_name": served_model_name,
         }
         return tuple(arg.format(**values) for arg in e.command)
+    # vLLM ignores --host/--port when --uds is given. The key goes in the environment
+    # (VLLM_API_KEY), not here: any local user can read a command line.
+    listen = (
+        ["--uds", address.uds]
+        if address.uds is not None
+        else ["--host", "127.0.0.1", "--port", str(address.port)]
+    )
     argv = [
         python,
         "-m",
@@ -192,12 +237,7 @@ def build_argv(
         model,
         "--served-model-name",
         served_model_name,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        # The per-boot key goes in the environment (VLLM_API_KEY), not here: any local
-        # user can read a command line (ps, systemctl status), not another's environment.
+        *listen,
         "--max-model-len",
         str(e.max_model_len),
         "--max-num-batched-tokens",
@@ -223,7 +263,6 @@ def build_env(
     gpu: int | None,
     cpu_bind: str | None,
     engine_tag: str,
-    api_key: str,
 ) -> dict[str, str]:
     """The engine's environment, built explicitly from a cleaned base.
 
@@ -241,7 +280,6 @@ def build_env(
             "DO_NOT_TRACK": "1",
             "PYTHONUNBUFFERED": "1",  # engine lines reach the journal as they happen
             "LLM_APPLIANCE_ENGINE": engine_tag,
-            "VLLM_API_KEY": api_key,
         }
     )
     if gpu is not None:

@@ -14,12 +14,12 @@ from pathlib import Path
 
 from appliance import paths
 from appliance.config import Config
+from appliance.endpoint import EngineAddress, socket_path
 from appliance.engine import (
     EngineSpec,
     build_argv,
     build_env,
     cpu_core_sets,
-    new_api_key,
     omp_bind,
     served_name,
 )
@@ -75,9 +75,24 @@ def resolve_python_and_model(config: Config, home: Path) -> tuple[str, str]:
     return python, model
 
 
+def engine_address(config: Config, engine_id: int, socket_dir: Path | None) -> EngineAddress:
+    if config.engine.listen == "tcp":
+        return EngineAddress(port=config.engine.port_base + engine_id)
+    if socket_dir is None:
+        raise ValueError('engine.listen = "unix" needs the private socket directory')
+    return EngineAddress(uds=socket_path(socket_dir, engine_id))
+
+
 def plan_engines(
-    config: Config, *, gpu_count: int, cores: Sequence[int], home: Path, base_env: Mapping[str, str]
+    config: Config,
+    *,
+    gpu_count: int,
+    cores: Sequence[int],
+    home: Path,
+    base_env: Mapping[str, str],
+    socket_dir: Path | None = None,
 ) -> EnginePlan:
+    """The engines to run; ``socket_dir`` holds their sockets with engine.listen = unix."""
     e = config.engine
     if e.device == "cuda" and gpu_count == 0:
         raise ConfigError(
@@ -115,20 +130,18 @@ def plan_engines(
     boot_id = secrets.token_hex(4)
     specs = []
     for i, gpu in enumerate(gpus):
-        port = e.port_base + i
-        key = new_api_key()
+        address = engine_address(config, i, socket_dir)
         tag = f"{boot_id}-{i}"
         argv = build_argv(
             config,
             python=python,
             model=model,
-            port=port,
+            address=address,
             gpu=gpu,
-            api_key=key,
             served_model_name=name,
             on_gpu=device == "cuda",
         )
-        env = build_env(config, base_env, gpu=gpu, cpu_bind=binds[i], engine_tag=tag, api_key=key)
+        env = build_env(config, base_env, gpu=gpu, cpu_bind=binds[i], engine_tag=tag)
         # Pin a CPU engine's whole tree to its own cores, unless engine.env overrides the
         # OMP binding (then the admin has their own layout). Unpinned, a starting engine is
         # stuck behind its neighbour: at import, MKL hops onto every allowed core in turn
@@ -139,9 +152,8 @@ def plan_engines(
             EngineSpec(
                 id=i,
                 gpu=gpu,
-                port=port,
+                address=address,
                 argv=argv,
-                api_key=key,
                 tag=tag,
                 env=env,
                 served_model_name=name,

@@ -89,6 +89,15 @@ def find_tree(
     return live
 
 
+def tree_pids(root_pid: int) -> set[int]:
+    """The pids of a process and all its descendants (empty when it is gone)."""
+    try:
+        root = psutil.Process(root_pid)
+        return {root_pid, *(p.pid for p in root.children(recursive=True))}
+    except psutil.Error:
+        return set()
+
+
 def tree_snapshot(root_pid: int) -> tuple[int | None, Members]:
     """Resident memory of a process and all its descendants (the degradation detector's
     view of an engine: vLLM's memory lives mostly in EngineCore and workers), and the

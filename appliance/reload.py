@@ -33,6 +33,7 @@ LIVE_KEYS: frozenset[str] = frozenset(
         "restart.backoff_initial_s",
         "restart.backoff_max_s",
         "restart.max_restarts_per_hour",
+        "restart.max_planned_restarts_per_hour",
         "restart.drain_timeout_s",
         "restart.degradation_restart",
         "degradation.window_s",

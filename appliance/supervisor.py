@@ -33,7 +33,7 @@ from typing import Protocol
 import aiohttp
 from aiohttp import web
 
-from appliance import paths, proctree
+from appliance import endpoint, paths, proctree
 from appliance.config import Config, config_warnings, load_config
 from appliance.engine import (
     EngineSnapshot,
@@ -41,6 +41,7 @@ from appliance.engine import (
     EngineState,
     RestartReason,
     check_transition,
+    new_api_key,
     with_batched_tokens,
 )
 from appliance.errors import EXIT_NO_ENGINE, EXIT_OK, ApplianceError, ConfigError
@@ -70,6 +71,9 @@ EXTEND_BY_S = 30.0
 GPU_MEMORY_WAIT_S = 60.0
 PORT_FREE_WAIT_S = 30.0
 OUTPUT_TAIL_LINES = 30
+# Restarts we chose (drained first): not failures, so they neither back off nor spend
+# the crash budget (restart.max_restarts_per_hour).
+PLANNED_REASONS = frozenset({RestartReason.ADMIN, RestartReason.DEGRADED, RestartReason.HEAT})
 
 
 def backoff_delay(consecutive_failures: int, initial_s: float, max_s: float) -> float:
@@ -136,7 +140,9 @@ class EngineRuntime:
     process: asyncio.subprocess.Process | None = None
     restarts: int = 0
     restarts_by_reason: collections.Counter[str] = field(default_factory=collections.Counter)
-    restart_times: list[float] = field(default_factory=list)
+    restart_times: list[float] = field(default_factory=list)  # unplanned: the crash budget
+    planned_times: list[float] = field(default_factory=list)  # heat and degradation
+    planned_refused: bool = False  # the planned budget said no (logged once)
     consecutive_failures: int = 0
     last_restart_reason: str | None = None
     health: HealthHistory = field(default_factory=HealthHistory)
@@ -155,6 +161,9 @@ class EngineRuntime:
     members: proctree.Members = field(default_factory=dict)  # its tree, last seen whole
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     listeners: list[Callable[[EngineRuntime, EngineState], None]] = field(default_factory=list)
+    api_key: str = ""  # this spawn's engine key (new at every spawn)
+    # Health checks and metrics reads: a session whose connector reaches this engine only.
+    session: aiohttp.ClientSession | None = None
 
     def set_state(self, new: EngineState) -> None:
         old = self.state
@@ -171,9 +180,9 @@ class EngineRuntime:
         return EngineSnapshot(
             id=self.spec.id,
             gpu=self.spec.gpu,
-            port=self.spec.port,
+            address=self.spec.address,
             state=self.state,
-            api_key=self.spec.api_key,
+            api_key=self.api_key,
             pid=self.process.pid if self.process and self.process.returncode is None else None,
             restarts=self.restarts,
             last_restart_reason=self.last_restart_reason,
@@ -217,7 +226,8 @@ class Supervisor:
         self._last_status = ""
         self._restarting: int | None = None  # the engine in a planned restart (one at a time)
         self._tasks: list[asyncio.Task[None]] = []
-        self._session: aiohttp.ClientSession | None = None
+        self._socket_dir: Path | None = None
+        self._own_socket_dir = False  # made by us (mkdtemp): removed at exit
 
     # ---- views for the gateway and status ------------------------------------------
     def snapshots(self) -> list[EngineSnapshot]:
@@ -251,9 +261,10 @@ class Supervisor:
                 self.plan.served_model_name,
                 self.plan.model,
             )
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0), trust_env=False
-            )
+            for rt in self.engines:
+                rt.session = aiohttp.ClientSession(
+                    connector=rt.spec.address.connector(limit=0), trust_env=False
+                )
             if start_http is not None:
                 runner = await start_http(self)
             self.accepting = True
@@ -267,8 +278,10 @@ class Supervisor:
             await self._shutdown_tasks()
             if runner is not None:
                 await runner.cleanup()
-            if self._session is not None:
-                await self._session.close()
+            for rt in self.engines:
+                if rt.session is not None:
+                    await rt.session.close()
+            self._remove_socket_dir()
             if self.telemetry is not None:
                 self.telemetry.close()
             self.notifier.close()
@@ -281,13 +294,27 @@ class Supervisor:
             from appliance.telemetry import count_nvidia_gpus
 
             gpu_count = count_nvidia_gpus()
+        if self.config.engine.listen == "unix":
+            self._socket_dir, self._own_socket_dir = endpoint.private_socket_dir(self._env)
+            log.info("engine sockets in %s (private to this service)", self._socket_dir)
         return plan_engines(
             self.config,
             gpu_count=gpu_count,
             cores=usable_cores(),
             home=self._home,
             base_env=child_environment(self._env),
+            socket_dir=self._socket_dir,
         )
+
+    def _remove_socket_dir(self) -> None:
+        if self._socket_dir is None:
+            return
+        for rt in self.engines:
+            if rt.spec.address.uds is not None:
+                endpoint.remove_stale_socket(rt.spec.address.uds)
+        if self._own_socket_dir:
+            with contextlib.suppress(OSError):
+                self._socket_dir.rmdir()
 
     def _open_telemetry(self) -> TelemetrySource:
         source = self.config.telemetry.source
@@ -403,7 +430,7 @@ class Supervisor:
     def reload(self) -> None:
         self.notifier.reloading()
         try:
-            new = load_config(self._config_arg, self._env)
+            new = load_config(self._config_arg, self._env, require_file=bool(self.config.source))
         except ConfigError as exc:
             log.error(
                 "reload refused; the running config stays in force:\n  %s",
@@ -413,6 +440,8 @@ class Supervisor:
             self.config, live, restart = merge_live(self.config, new)
             if live:
                 log.info("reload applied: %s", ", ".join(live))
+                for rt in self.engines:
+                    rt.wake.set()  # engine loops re-read their timers now
             if restart:
                 log.warning(
                     "reload: these keys changed but need a restart "
@@ -520,6 +549,23 @@ class Supervisor:
                 self._cool_since.pop(key, None)
             self._heat_restart(rt, key, now)
 
+    def _may_plan_restart(self, rt: EngineRuntime, reason: RestartReason, now: float) -> bool:
+        """Whether a heat or degradation restart fits restart.max_planned_restarts_per_hour."""
+        limit = self.config.restart.max_planned_restarts_per_hour
+        if restart_allowed(rt.planned_times, now, limit):
+            rt.planned_refused = False
+            return True
+        if not rt.planned_refused:
+            log.warning(
+                "%s: %s restart not done: %d planned restarts within the last hour "
+                "(restart.max_planned_restarts_per_hour); it keeps serving as it is",
+                rt.spec.name,
+                reason.value,
+                limit,
+            )
+            rt.planned_refused = True
+        return False
+
     def _heat_restart(self, rt: EngineRuntime, key: int, now: float) -> None:
         """Sustained heat: restart with half the batched tokens; restore once cool."""
         th = self.config.thermal
@@ -533,6 +579,8 @@ class Supervisor:
         if rt.batched_tokens is None and hot_for >= th.heat_restart_after_s:
             if "--max-num-batched-tokens" not in rt.spec.argv:
                 return  # a `command` override: nothing we can halve
+            if not self._may_plan_restart(rt, RestartReason.HEAT, now):
+                return
             rt.batched_tokens = max(16, full // 2)
             log.warning(
                 "%s: GPU %d at the hard limit for %.0f s; restarting it with "
@@ -545,6 +593,8 @@ class Supervisor:
             rt.requested = RestartReason.HEAT
             rt.wake.set()
         elif rt.batched_tokens is not None and cool_for >= th.heat_restore_after_s:
+            if not self._may_plan_restart(rt, RestartReason.HEAT, now):
+                return
             log.info(
                 "%s: GPU %d cool for %.0f s; restoring --max-num-batched-tokens %d",
                 rt.spec.name,
@@ -562,6 +612,7 @@ class Supervisor:
         rt = self.engines[engine_id]
         if rt.state not in (
             EngineState.READY,
+            EngineState.SUSPECT,
             EngineState.DRAINING,
             EngineState.FAILED,
             EngineState.STARTING,
@@ -626,7 +677,17 @@ class Supervisor:
         verdict = assess_degradation(rt.samples, rt.baseline, policy, now)
         if not verdict.degraded or rt.requested is not None:
             return
-        if self.config.restart.degradation_restart:
+        if not self.config.restart.degradation_restart:
+            if rt.health.consecutive_failures == 0:
+                log.warning(
+                    "%s: degraded (%s: %s); restart.degradation_restart = false, so it keeps "
+                    "serving",
+                    rt.spec.name,
+                    verdict.reason,
+                    verdict.detail,
+                )
+            return
+        if self._may_plan_restart(rt, RestartReason.DEGRADED, now):
             log.warning(
                 "%s: degraded (%s: %s); draining it for a restart",
                 rt.spec.name,
@@ -635,22 +696,24 @@ class Supervisor:
             )
             rt.requested = RestartReason.DEGRADED
             rt.samples.clear()
-        elif rt.health.consecutive_failures == 0:
-            log.warning(
-                "%s: degraded (%s: %s); restart.degradation_restart = false, so it keeps serving",
-                rt.spec.name,
-                verdict.reason,
-                verdict.detail,
-            )
 
-    def drain(self, engine_id: int) -> tuple[bool, str]:
-        """Stop routing new work to an engine until resume(); in-flight work finishes."""
+    def drain(self, engine_id: int, force: bool = False) -> tuple[bool, str]:
+        """Stop routing new work to an engine until resume(); in-flight work finishes.
+
+        The last engine serving is drained only with ``force``: that stops the service.
+        """
         rt = self.engines[engine_id]
         if rt.state is EngineState.DRAINING:
             rt.held = True
             return True, ""
-        if rt.state is not EngineState.READY:
+        if rt.state not in (EngineState.READY, EngineState.SUSPECT):
             return False, f"engine {engine_id} is {rt.state.value}; only a READY engine drains"
+        serving = [e for e in self.engines if e is not rt and e.state is EngineState.READY]
+        if not serving and not force:
+            return False, (
+                f"engine {engine_id} is the last engine serving: draining it stops the "
+                "service for every user; add ?force=true to drain it anyway"
+            )
         rt.held = True
         rt.set_state(EngineState.DRAINING)
         return True, ""
@@ -677,8 +740,13 @@ class Supervisor:
             if self.stopping or reason is None:
                 break
             now = time.monotonic()
-            planned = reason in (RestartReason.ADMIN, RestartReason.DEGRADED, RestartReason.HEAT)
-            if reason is not RestartReason.ADMIN:
+            planned = reason in PLANNED_REASONS
+            if planned:
+                # Budgeted apart (checked when asked for, _may_plan_restart): a hot
+                # afternoon must not spend the budget that stops a crash loop.
+                if reason is not RestartReason.ADMIN:
+                    rt.planned_times.append(now)
+            else:
                 if not restart_allowed(
                     rt.restart_times, now, self.config.restart.max_restarts_per_hour
                 ):
@@ -726,19 +794,19 @@ class Supervisor:
         rt.samples.clear()
         rt.baseline = EMPTY_BASELINE
         rt.wake.clear()
-        holder = proctree.port_holder(rt.spec.port)
-        if holder is not None or not proctree.port_is_free(rt.spec.port):
-            pid, pname = holder or (None, "unknown")
+        port = rt.spec.address.port
+        if port is not None and not proctree.port_is_free(port):
             log.error(
-                "%s: port %d is already in use by %s (pid %s); not starting there and "
+                "%s: port %d is already in use by %s; not starting there and "
                 "not killing it: stop that process or change engine.port_base",
                 rt.spec.name,
-                rt.spec.port,
-                pname,
-                pid if pid is not None else "?",
+                port,
+                endpoint.describe_listener(port),
             )
             rt.set_state(EngineState.STARTING)
             return RestartReason.CRASH
+        if rt.spec.address.uds is not None:
+            endpoint.remove_stale_socket(rt.spec.address.uds)
         rt.set_state(EngineState.STARTING)
         await self._spawn(rt)
         reason = await self._wait_ready(rt)
@@ -750,12 +818,16 @@ class Supervisor:
 
     async def _spawn(self, rt: EngineRuntime) -> None:
         spec = rt.spec
+        # A new key per spawn: a key that leaked (a command line, a core dump) is
+        # worthless once the engine it belonged to is gone.
+        rt.api_key = new_api_key()
+        argv = with_batched_tokens(spec.argv_with_key(rt.api_key), rt.batched_tokens)
         log.info(
-            "%s: starting on %s, port %d: %s",
+            "%s: starting on %s, listening on %s: %s",
             spec.name,
             f"GPU {spec.gpu}" if spec.gpu is not None else "CPU",
-            spec.port,
-            " ".join(a if a != spec.api_key else "***" for a in spec.argv),
+            spec.address,
+            " ".join(argv).replace(rt.api_key, "***"),
         )
         # Output goes through a pipe of our own rather than asyncio's subprocess pipes:
         # vLLM's orphaned children keep the write end open after the API server dies, and
@@ -764,8 +836,8 @@ class Supervisor:
         rfd, wfd = os.pipe()
         try:
             rt.process = await asyncio.create_subprocess_exec(
-                *with_batched_tokens(spec.argv, rt.batched_tokens),
-                env=dict(spec.env),
+                *argv,
+                env=spec.env_with_key(rt.api_key),
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=wfd,
                 stderr=wfd,
@@ -805,7 +877,7 @@ class Supervisor:
                 if not raw:
                     return
                 line = raw.decode("utf-8", "replace").rstrip()
-                line = line.replace(rt.spec.api_key, "***")
+                line = line.replace(rt.api_key, "***")
                 rt.output_tail.append(line)
                 out.write(prefix + line + "\n")
                 out.flush()
@@ -813,7 +885,7 @@ class Supervisor:
             transport.close()
 
     async def _wait_ready(self, rt: EngineRuntime) -> RestartReason | None:
-        assert self._session is not None
+        assert rt.session is not None
         proc = rt.process
         if proc is None:
             return RestartReason.CRASH
@@ -829,14 +901,11 @@ class Supervisor:
                     self.config.engine.startup_timeout_s,
                 )
                 return RestartReason.STARTUP_TIMEOUT
-            obs = await observe(
-                self._session,
-                f"http://127.0.0.1:{rt.spec.port}",
-                rt.spec.api_key,
-                rt.spec.served_model_name,
-                self.config.health.probe_timeout_s,
-            )
-            if obs.health_ok and obs.probe_ok:
+            owner = await self._listener_is_ours(rt, proc.pid)
+            if owner is False:
+                return RestartReason.CRASH
+            obs = await self._observe(rt) if owner else None
+            if obs is not None and obs.health_ok and obs.probe_ok:
                 rt.health = HealthHistory(0, obs.generation_tokens)
                 rt.last_observation = obs
                 _, rt.members = await asyncio.to_thread(proctree.tree_snapshot, proc.pid)
@@ -844,6 +913,49 @@ class Supervisor:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(proc.wait()), STARTUP_POLL_S)
         return None
+
+    def _mark_suspect(self, rt: EngineRuntime, verdict: Verdict) -> None:
+        """A failed check takes a READY engine out of routing at once; a good one puts it
+        back. Only a DRAINING engine (drained or being restarted) is left as it is."""
+        if verdict is Verdict.HEALTHY and rt.state is EngineState.SUSPECT:
+            rt.set_state(EngineState.READY)
+        elif verdict is not Verdict.HEALTHY and rt.state is EngineState.READY:
+            rt.set_state(EngineState.SUSPECT)  # _on_state_change tells the gateway
+
+    async def _observe(self, rt: EngineRuntime) -> Observation:
+        assert rt.session is not None
+        return await observe(
+            rt.session,
+            rt.spec.address.base_url,
+            rt.api_key,
+            rt.spec.served_model_name,
+            self.config.health.probe_timeout_s,
+        )
+
+    async def _listener_is_ours(self, rt: EngineRuntime, root_pid: int) -> bool | None:
+        """Before the engine key goes anywhere: who listens where the engine should.
+
+        A Unix socket in our private directory can only be the engine's. A TCP port can
+        be bound by any local process while the engine is still importing, so the
+        listener's socket must be one the engine's own processes hold. True: ours;
+        None: nobody listens yet; False: someone else does (logged; never sent a key).
+        """
+        port = rt.spec.address.port
+        if port is None:
+            return True
+        pids = await asyncio.to_thread(proctree.tree_pids, root_pid)
+        ours = await asyncio.to_thread(endpoint.tcp_listener_is_ours, port, pids)
+        if ours is False:
+            who = await asyncio.to_thread(endpoint.describe_listener, port)
+            log.error(
+                "%s: port %d is held by %s, not by the engine's own processes: nothing "
+                "was sent to it and the engine is not used; stop that process or use "
+                'engine.listen = "unix"',
+                rt.spec.name,
+                port,
+                who,
+            )
+        return ours
 
     def _log_exit(self, rt: EngineRuntime, code: int, when: str) -> None:
         how = f"signal {signal.Signals(-code).name}" if code < 0 else f"status {code}"
@@ -858,13 +970,15 @@ class Supervisor:
 
     async def _watch(self, rt: EngineRuntime) -> RestartReason | None:
         """Watch a READY engine until it dies, hangs, or a restart or stop is asked for."""
-        assert self._session is not None and rt.process is not None
+        assert rt.session is not None and rt.process is not None
         proc = rt.process
         exited = asyncio.ensure_future(proc.wait())
-        interval = self.config.health.interval_s
-        next_check = time.monotonic() + interval
+        last_check = time.monotonic()
         try:
             while True:
+                # From the config each time round: a reload's health.interval_s applies to
+                # engines already running (reload() wakes this loop).
+                next_check = last_check + self.config.health.interval_s
                 # While its KV breaker is open the engine gets nothing new: read its KV
                 # usage often, so it is back in service soon after the pressure falls,
                 # not up to a whole health interval later.
@@ -899,31 +1013,26 @@ class Supervisor:
                 if time.monotonic() < next_check:
                     if kv_poll and not done:
                         usage = await read_kv_usage(
-                            self._session,
-                            f"http://127.0.0.1:{rt.spec.port}",
-                            self.config.health.probe_timeout_s,
+                            rt.session, rt.spec.address.base_url, self.config.health.probe_timeout_s
                         )
                         self.link.observe_kv(rt.spec.id, usage)
                     continue
-                next_check = time.monotonic() + interval
+                last_check = time.monotonic()
                 if (
                     rt.state is EngineState.READY
                     and rt.ready_since is not None
                     and time.monotonic() - rt.ready_since > STABLE_AFTER_S
                 ):
                     rt.consecutive_failures = 0
-                obs = await observe(
-                    self._session,
-                    f"http://127.0.0.1:{rt.spec.port}",
-                    rt.spec.api_key,
-                    rt.spec.served_model_name,
-                    self.config.health.probe_timeout_s,
-                )
+                if await self._listener_is_ours(rt, proc.pid) is not True:
+                    return RestartReason.CRASH  # named in the log; nothing was sent to it
+                obs = await self._observe(rt)
                 if proc.returncode is not None:
                     continue  # handled at the top: it crashed, it did not hang
                 rt.last_observation = obs
                 self.link.observe_kv(rt.spec.id, obs.kv_cache_usage)
                 verdict, rt.health = assess(obs, rt.health, self.config.health.failures_to_restart)
+                self._mark_suspect(rt, verdict)
                 if verdict is Verdict.HEALTHY:
                     await self._check_degradation(rt, obs, proc.pid)
                 if verdict is Verdict.SUSPECT:
@@ -946,7 +1055,7 @@ class Supervisor:
 
     async def _drain(self, rt: EngineRuntime) -> None:
         """Stop routing to it and let in-flight work finish (bounded)."""
-        if rt.state is EngineState.READY:
+        if rt.state in (EngineState.READY, EngineState.SUSPECT):
             rt.set_state(EngineState.DRAINING)
         deadline = time.monotonic() + self.config.restart.drain_timeout_s
         while self.link.inflight(rt.spec.id) > 0 and not self.stopping:
@@ -964,7 +1073,12 @@ class Supervisor:
 
     async def _stop_engine(self, rt: EngineRuntime, reason: RestartReason | None = None) -> None:
         """Take an engine down: SIGTERM its tree, SIGKILL what stays, wait for its port."""
-        if rt.state in (EngineState.STARTING, EngineState.READY, EngineState.DRAINING):
+        if rt.state in (
+            EngineState.STARTING,
+            EngineState.READY,
+            EngineState.SUSPECT,
+            EngineState.DRAINING,
+        ):
             rt.set_state(EngineState.STOPPING)
         timeout = 0.0 if self._fast_stop else self.config.engine.stop_timeout_s
         if reason in (RestartReason.HUNG, RestartReason.STARTUP_TIMEOUT):
@@ -1009,9 +1123,10 @@ class Supervisor:
             log.error("%s: %d process(es) survived SIGKILL", rt.spec.name, result.left)
 
     async def _wait_resources_free(self, rt: EngineRuntime) -> None:
+        port = rt.spec.address.port
         deadline = time.monotonic() + PORT_FREE_WAIT_S
-        while not proctree.port_is_free(rt.spec.port) and time.monotonic() < deadline:
-            if proctree.port_holder(rt.spec.port) is not None:
+        while port is not None and not proctree.port_is_free(port):
+            if time.monotonic() > deadline or proctree.port_holder(port) is not None:
                 break  # someone else's now: reported when we try to start
             await asyncio.sleep(0.2)
         gpu = rt.spec.gpu

@@ -158,7 +158,13 @@ class Admission:
         engines = self._engines()
         if not any(
             s.state
-            in (EngineState.READY, EngineState.STARTING, EngineState.DRAINING, EngineState.EXITED)
+            in (
+                EngineState.READY,
+                EngineState.SUSPECT,  # may pass its next check
+                EngineState.STARTING,
+                EngineState.DRAINING,
+                EngineState.EXITED,
+            )
             and s.id not in exclude
             for s in engines
         ):

@@ -21,6 +21,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from appliance import __version__
+from appliance.endpoint import EngineAddress
 from appliance.engine import EngineState, RestartReason
 from appliance.errors import ApplianceError
 from appliance.gateway.admission import Admission
@@ -38,6 +39,7 @@ from appliance.gateway.metrics import GatewayMetrics
 from appliance.gateway.proxy import Relay
 from appliance.gateway.ratelimit import RateLimiter
 from appliance.gateway.splice import UpstreamPool
+from appliance.policy.thermal import HARD_LEVEL
 
 if TYPE_CHECKING:
     from appliance.supervisor import Supervisor
@@ -70,7 +72,9 @@ class Gateway:
             on_reject=lambda reason: self.metrics.rejections.labels(reason).inc(),
         )
         self.metrics.attach(supervisor, self.admission)
-        self.session: aiohttp.ClientSession = None  # type: ignore[assignment]  # set on startup
+        # Non-streamed requests' engine connections: one client session per engine address
+        # (a Unix socket needs a connector of its own), made on first use.
+        self._sessions: dict[EngineAddress, aiohttp.ClientSession] = {}
         self.upstreams = UpstreamPool()  # streamed requests' engine connections
         self.relay = Relay(self)
         self._models: tuple[str, ...] = ()
@@ -117,21 +121,29 @@ class Gateway:
             for rt in self.supervisor.engines
         )
 
+    def session_for(self, address: EngineAddress) -> aiohttp.ClientSession:
+        session = self._sessions.get(address)
+        if session is None:
+            # Many concurrent requests: aiohttp's default of 100 connections would queue
+            # them. Idle connections are dropped after 2 s, before vLLM's own 5 s close can
+            # race a request sent on one (aiohttp does not retry a POST; splice.MAX_IDLE_S
+            # likewise).
+            session = aiohttp.ClientSession(
+                connector=address.connector(limit=0, force_close=False, keepalive_timeout=2.0),
+                trust_env=False,
+                auto_decompress=False,
+            )
+            self._sessions[address] = session
+        return session
+
     async def on_startup(self, app: web.Application) -> None:
-        # Many concurrent streams: aiohttp's default of 100 connections would queue them.
-        # Idle connections are dropped after 2 s, before vLLM's own 5 s close can race a
-        # request sent on one (aiohttp does not retry a POST; splice.MAX_IDLE_S likewise).
-        self.session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, force_close=False, keepalive_timeout=2.0),
-            trust_env=False,
-            auto_decompress=False,
-        )
         self.watcher.start()
 
     async def on_cleanup(self, app: web.Application) -> None:
         await self.watcher.stop()
         self.upstreams.close()
-        await self.session.close()
+        for session in self._sessions.values():
+            await session.close()
 
 
 def _route_label(request: web.Request) -> str:
@@ -229,14 +241,37 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def readyz(request: web.Request) -> web.Response:
-    sup = request.app[GATEWAY].supervisor
+    """200 only while some engine can take a new request now; else 503 and why not."""
+    gw = request.app[GATEWAY]
+    sup = gw.supervisor
     ready = [s.id for s in sup.snapshots() if s.state.accepts_work]
-    if sup.ready:
-        return web.json_response({"status": "ready", "engines_ready": ready})
-    reason = "stopping" if not sup.accepting else "no engine ready"
-    return web.json_response(
-        {"status": reason, "engines_ready": ready}, status=503, headers={"Retry-After": "5"}
-    )
+    admitting = [load.id for load in gw.admission.loads() if load.accepting]
+    if sup.accepting and admitting:
+        return web.json_response(
+            {"status": "ready", "engines_ready": ready, "engines_admitting": admitting}
+        )
+    body: dict[str, Any] = {"status": "stopping" if not sup.accepting else "not admitting"}
+    if sup.accepting:
+        body["reasons"] = {str(e): why for e, why in not_admitting(gw).items()}
+    body |= {"engines_ready": ready, "engines_admitting": admitting}
+    return web.json_response(body, status=503, headers={"Retry-After": "5"})
+
+
+def not_admitting(gw: Gateway) -> dict[int, str]:
+    """Why each engine takes no new request now, in words an operator can act on."""
+    out: dict[int, str] = {}
+    for snap in gw.supervisor.snapshots():
+        if snap.state is not EngineState.READY:
+            out[snap.id] = {
+                "STARTING": "starting (loading the model)",
+                "SUSPECT": "failed its last health check",
+                "DRAINING": "draining",
+            }.get(snap.state.value, snap.state.value.lower())
+        elif gw.admission.kv_tripped.get(snap.id, False):
+            out[snap.id] = "KV cache breaker open (KV cache nearly full)"
+        elif gw.admission.throttle_level.get(snap.id, 0) >= HARD_LEVEL:
+            out[snap.id] = "throttled by heat (GPU at the hard limit)"
+    return out
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -257,7 +292,8 @@ def status_document(gw: Gateway) -> dict[str, Any]:
             {
                 "id": snap.id,
                 "gpu": snap.gpu,
-                "port": snap.port,
+                "port": snap.port,  # null with engine.listen = "unix"
+                "listen": str(snap.address),
                 "state": snap.state.value,
                 "pid": snap.pid,
                 "inflight": gw.admission.inflight(snap.id),
@@ -339,7 +375,7 @@ async def admin_restart(request: web.Request) -> web.Response:
 async def admin_drain(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
     eid = _engine_id(request)
-    ok, why = gw.supervisor.drain(eid)
+    ok, why = gw.supervisor.drain(eid, force=request.query.get("force") == "true")
     if not ok:
         raise GatewayError(409, why, code="cannot_drain")
     return web.json_response({"id": eid, "state": gw.supervisor.engines[eid].state.value})

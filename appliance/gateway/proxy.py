@@ -36,6 +36,7 @@ from aiohttp.http import HttpVersion11
 from aiohttp.web_protocol import RequestPayloadError
 
 from appliance.config import GatewayConfig
+from appliance.endpoint import EngineAddress
 from appliance.gateway.cost import request_cost
 from appliance.gateway.errors import GatewayError, sse_error_event
 from appliance.gateway.splice import AnswerTooLarge, UpstreamError, request_bytes
@@ -332,10 +333,10 @@ class Relay:
         try:
             if parsed.stream and request.version >= HttpVersion11:
                 return await self._splice(
-                    request, attempt, snap.port, path, headers, raw, parsed, started
+                    request, attempt, snap.address, path, headers, raw, parsed, started
                 )
             return await self._via_client(
-                request, attempt, snap.base_url + path, headers, raw, parsed, started
+                request, attempt, snap.address, path, headers, raw, parsed, started
             )
         finally:
             attempts.discard(attempt)
@@ -344,7 +345,8 @@ class Relay:
         self,
         request: web.Request,
         attempt: _Attempt,
-        url: str,
+        address: EngineAddress,
+        path: str,
         headers: dict[str, str],
         raw: bytes,
         parsed: ParsedRequest,
@@ -352,8 +354,8 @@ class Relay:
     ) -> web.StreamResponse | str:
         """A non-streamed request (or an HTTP/1.0 client's stream), through aiohttp."""
         try:
-            upstream = await self.gw.session.post(
-                url,
+            upstream = await self.gw.session_for(address).post(
+                address.base_url + path,
                 data=raw,
                 headers=headers,
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
@@ -390,7 +392,7 @@ class Relay:
         self,
         request: web.Request,
         attempt: _Attempt,
-        port: int,
+        address: EngineAddress,
         path: str,
         headers: dict[str, str],
         raw: bytes,
@@ -400,9 +402,8 @@ class Relay:
         """A streamed request, relayed by splice.py: the engine's chunks go to the
         client's socket as they arrive, without a task step per chunk."""
         pool = self.gw.upstreams
-        host = "127.0.0.1"
         try:
-            conn = await pool.acquire(host, port)
+            conn = await pool.acquire(address)
         except UpstreamError as exc:
             return str(exc)
         except asyncio.CancelledError:
@@ -412,7 +413,7 @@ class Relay:
         attempt.close = lambda: conn.abort(attempt.why)
         resp: web.StreamResponse | None = None
         try:
-            head = await conn.send(request_bytes(path, host, port, headers, raw))
+            head = await conn.send(request_bytes(path, address.host, headers, raw))
             if head.status in RETRYABLE_STATUS:
                 return f"engine answered {head.status}"
             if head.status != 200 or not head.chunked:
@@ -445,7 +446,7 @@ class Relay:
                 return resp
             await _end_with_error_event(request, resp, str(exc))
         finally:
-            pool.release(host, port, conn)
+            pool.release(address, conn)
         with contextlib.suppress(ConnectionError):
             await resp.write_eof()
         return resp

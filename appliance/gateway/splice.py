@@ -28,6 +28,8 @@ import enum
 from dataclasses import dataclass
 from typing import cast
 
+from appliance.endpoint import EngineAddress
+
 HIGH_WATER = 256 * 1024
 LOW_WATER = 64 * 1024
 MAX_HEAD_BYTES = 64 * 1024
@@ -427,15 +429,15 @@ class UpstreamConnection(asyncio.Protocol):
 
 
 class UpstreamPool:
-    """Keep-alive connections to the engines, per (host, port)."""
+    """Keep-alive connections to the engines, per engine address (socket or port)."""
 
     def __init__(self) -> None:
         self._idle: collections.defaultdict[
-            tuple[str, int], collections.deque[UpstreamConnection]
+            EngineAddress, collections.deque[UpstreamConnection]
         ] = collections.defaultdict(collections.deque)
 
-    async def acquire(self, host: str, port: int) -> UpstreamConnection:
-        idle = self._idle[(host, port)]
+    async def acquire(self, address: EngineAddress) -> UpstreamConnection:
+        idle = self._idle[address]
         loop = asyncio.get_running_loop()
         fresh_after = loop.time() - MAX_IDLE_S
         while idle:
@@ -452,9 +454,10 @@ class UpstreamPool:
                 break
             return conn
         try:
-            _, conn = await asyncio.wait_for(
-                loop.create_connection(UpstreamConnection, host, port), CONNECT_TIMEOUT_S
+            _, protocol = await asyncio.wait_for(
+                address.connect(UpstreamConnection), CONNECT_TIMEOUT_S
             )
+            conn = cast(UpstreamConnection, protocol)
         except TimeoutError:
             # "timeout" in the reason is what makes the relay answer 504 rather than 502.
             raise UpstreamError("timeout connecting to the engine") from None
@@ -462,12 +465,12 @@ class UpstreamPool:
             raise UpstreamError(f"cannot connect to the engine ({type(exc).__name__})") from None
         return conn
 
-    def release(self, host: str, port: int, conn: UpstreamConnection) -> None:
+    def release(self, address: EngineAddress, conn: UpstreamConnection) -> None:
         """Back to the pool when its answer was read whole; closed otherwise (which, in
         the middle of an answer, is what makes vLLM abort the generation)."""
         if conn.transport is None:
             return
-        idle = self._idle[(host, port)]
+        idle = self._idle[address]
         if conn.finished and len(idle) < MAX_IDLE_PER_ENGINE:
             conn.idle_since = asyncio.get_running_loop().time()
             idle.append(conn)
@@ -482,7 +485,8 @@ class UpstreamPool:
                     conn.transport.close()
 
 
-def request_bytes(path: str, host: str, port: int, headers: dict[str, str], body: bytes) -> bytes:
-    lines = [f"POST {path} HTTP/1.1", f"Host: {host}:{port}", f"Content-Length: {len(body)}"]
+def request_bytes(path: str, host: str, headers: dict[str, str], body: bytes) -> bytes:
+    """A POST as the engine is sent it; ``host`` is the Host header's value."""
+    lines = [f"POST {path} HTTP/1.1", f"Host: {host}", f"Content-Length: {len(body)}"]
     lines += [f"{k}: {v}" for k, v in headers.items()]
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body

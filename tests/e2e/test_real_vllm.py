@@ -120,10 +120,18 @@ def test_serve_reaches_ready_with_both_engines(appliance: RealAppliance) -> None
         assert proc.environ()[RUN_MARKER] == appliance.marker
         # Each engine was given its own core.
         assert proc.environ()["VLLM_CPU_OMP_THREADS_BIND"] in ("0", "1")
-        # Nothing on the box reaches the engine's API without its per-boot key.
-        code, _ = get_json(f"http://127.0.0.1:{e['port']}/v1/models")
-        assert code == 401
-    print(f"\n[e2e] engines: {[(e['id'], e['port'], e['pid']) for e in engines]}")
+        # Real vLLM listens on its private Unix socket only: no TCP port, and without
+        # this spawn's key even the socket's owner gets 401.
+        assert e["port"] is None and e["listen"] == f"unix:{appliance.app.engine_socket(e['id'])}"
+        assert "--uds" in cmd and "--port" not in cmd
+        assert appliance.app.engine_request(e["id"], "GET", "/v1/models")[0] == 401
+        key_header = {"Authorization": f"Bearer {engine_key}"}
+        assert (
+            appliance.app.engine_request(e["id"], "GET", "/v1/models", None, key_header)[0] == 200
+        )
+        tcp = [c for c in proc.net_connections("inet") if c.status == "LISTEN"]
+        assert tcp == [], tcp
+    print(f"\n[e2e] engines: {[(e['id'], e['listen'], e['pid']) for e in engines]}")
 
 
 def test_openai_client_chat_stream_completions_models(appliance: RealAppliance) -> None:

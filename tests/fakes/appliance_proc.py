@@ -9,6 +9,7 @@ engine tree, even when a test fails half-way.
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import os
 import signal
@@ -26,6 +27,7 @@ from typing import Any
 import psutil
 
 from tests.fakes.engine_proc import FAKE_ENGINE_PATH, free_port
+from tests.fakes.uds_http import uds_request
 
 REPO = Path(__file__).resolve().parents[2]
 CLI = [sys.executable, "-m", "appliance.cli"]
@@ -65,13 +67,10 @@ def fake_engine_config(
             "device": "cpu",
             "cpu_engines": engines,
             "port_base": port_base,
+            # The engine key reaches the fake engine as VLLM_API_KEY, as it reaches vLLM.
             "command": [
                 sys.executable,
                 FAKE_ENGINE_PATH,
-                "--port",
-                "{port}",
-                "--api-key",
-                "{api_key}",
                 "--served-model-name",
                 "{served_model_name}",
                 "--disable-uvicorn-access-log",
@@ -86,6 +85,10 @@ def fake_engine_config(
     }
     for section, values in overrides.items():
         cfg.setdefault(section, {}).update(values)
+    engine = cfg["engine"]
+    if "command" not in overrides.get("engine", {}):
+        tcp = engine.get("listen") == "tcp"
+        engine["command"] += ["--port", "{port}"] if tcp else ["--uds", "{uds}"]
     return cfg
 
 
@@ -157,6 +160,7 @@ class Appliance:
     proc: subprocess.Popen[bytes]
     config: dict[str, dict[str, Any]]
     log_path: Path
+    run_dir: Path
     known_pids: set[int] = field(default_factory=set)
 
     @property
@@ -165,6 +169,44 @@ class Appliance:
 
     def engine_port(self, i: int) -> int:
         return int(self.config["engine"]["port_base"]) + i
+
+    @property
+    def over_tcp(self) -> bool:
+        return bool(self.config["engine"].get("listen") == "tcp")
+
+    def engine_socket(self, i: int) -> str:
+        """Engine i's Unix socket (the daemon runs with RUNTIME_DIRECTORY = run_dir)."""
+        return str(self.run_dir / f"engine{i}.sock")
+
+    def engine_request(
+        self,
+        i: int,
+        method: str,
+        path: str,
+        body: bytes | None = None,
+        headers: dict[str, str] | None = None,
+        timeout: float = 2.0,
+    ) -> tuple[int | None, Any]:
+        """Straight to engine i, over its socket or port: (status, JSON body or text)."""
+        try:
+            if self.over_tcp:
+                conn = http.client.HTTPConnection("127.0.0.1", self.engine_port(i), timeout=timeout)
+                try:
+                    conn.request(method, path, body=body, headers=headers or {})
+                    resp = conn.getresponse()
+                    status, raw = resp.status, resp.read()
+                finally:
+                    conn.close()
+            else:
+                status, raw = uds_request(
+                    self.engine_socket(i), method, path, body, headers, timeout
+                )
+        except (OSError, http.client.HTTPException):
+            return None, None
+        try:
+            return status, json.loads(raw or b"null")
+        except ValueError:
+            return status, raw.decode(errors="replace")
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -185,17 +227,17 @@ class Appliance:
         raise AssertionError(f"timed out waiting for {what}:\n" + self.log()[-4000:])
 
     def engine_stats(self, i: int) -> dict[str, Any] | None:
-        status, body = get_json(f"http://127.0.0.1:{self.engine_port(i)}/fake/stats", 1.0)
+        status, body = self.engine_request(i, "GET", "/fake/stats", timeout=1.0)
         return body if status == 200 else None
 
     def engine_control(self, i: int, **knobs: Any) -> None:
-        req = urllib.request.Request(
-            f"http://127.0.0.1:{self.engine_port(i)}/fake/control",
-            data=json.dumps(knobs).encode(),
-            headers={"Content-Type": "application/json"},
+        self.engine_request(
+            i,
+            "POST",
+            "/fake/control",
+            json.dumps(knobs).encode(),
+            {"Content-Type": "application/json"},
         )
-        with contextlib.suppress(OSError):
-            urllib.request.urlopen(req, timeout=2).read()
 
     def tree(self) -> list[psutil.Process]:
         try:
@@ -233,8 +275,14 @@ def alive(pids: set[int]) -> set[int]:
 
 @contextlib.contextmanager
 def run_appliance(
-    tmp: Path, config: dict[str, dict[str, Any]], env: dict[str, str] | None = None
+    tmp: Path,
+    config: dict[str, dict[str, Any]],
+    env: dict[str, str] | None = None,
+    *,
+    config_via_env: bool = False,
 ) -> Iterator[Appliance]:
+    """The daemon, running: with `--config`, or as the unit runs it (``config_via_env``:
+    the path in $LLM_APPLIANCE_CONFIG, so a missing file means defaults, not an error)."""
     cfg_path = write_config(tmp / "config.toml", config)
     log_path = tmp / "appliance.log"
     full_env = {
@@ -244,16 +292,25 @@ def run_appliance(
     }
     full_env["PYTHONPATH"] = str(REPO)
     full_env.setdefault("LLM_APPLIANCE_HOME", str(tmp / "home"))
+    # As systemd's RuntimeDirectory= would: engine sockets land at a known place.
+    run_dir = tmp / "run"
+    run_dir.mkdir(mode=0o700, exist_ok=True)
+    full_env.setdefault("RUNTIME_DIRECTORY", str(run_dir))
     full_env.update(env or {})
+    argv = [*CLI, "serve"]
+    if config_via_env:
+        full_env["LLM_APPLIANCE_CONFIG"] = str(cfg_path)
+    else:
+        argv += ["--config", str(cfg_path)]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [*CLI, "serve", "--config", str(cfg_path)],
+            argv,
             stdout=log,
             stderr=subprocess.STDOUT,
             env=full_env,
             cwd=REPO,
         )
-    app = Appliance(proc, config, log_path)
+    app = Appliance(proc, config, log_path, Path(full_env["RUNTIME_DIRECTORY"]))
     try:
         yield app
     finally:
@@ -269,7 +326,7 @@ def run_appliance(
             with contextlib.suppress(psutil.Error):
                 cmd = " ".join(p.info["cmdline"] or [])
                 if FAKE_ENGINE_PATH in cmd and any(
-                    f"--port {app.engine_port(i)}" in cmd
+                    f"--port {app.engine_port(i)}" in cmd or f"--uds {app.engine_socket(i)}" in cmd
                     for i in range(int(config["engine"].get("cpu_engines", 1)))
                 ):
                     p.kill()

@@ -83,6 +83,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     # vLLM's own flags that the fake honours.
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--uds", default=None, help="Unix socket path (like vLLM: host/port ignored)")
     p.add_argument("--api-key", nargs="+", default=None)
     p.add_argument("--model", default="fake-model")
     p.add_argument("--served-model-name", nargs="+", default=None)
@@ -522,7 +523,8 @@ class FakeEngine:
         }
 
     def _loopback_only(self, request: web.Request) -> web.Response | None:
-        if request.remote not in LOOPBACK:
+        # Over a Unix socket there is no address ("" or None): local by construction.
+        if request.remote not in LOOPBACK and request.remote not in ("", None):
             return error_response("loopback only", "Forbidden", 403)
         return None
 
@@ -901,13 +903,18 @@ async def serve(args: argparse.Namespace, unknown: list[str]) -> int:
             shutdown_timeout=args.shutdown_timeout,
         )
         await runner.setup()
-        site = web.TCPSite(runner, args.host, args.port)
+        site: web.BaseSite = (
+            web.UnixSite(runner, args.uds)
+            if args.uds
+            else web.TCPSite(runner, args.host, args.port)
+        )
+        where = f"unix:{args.uds}" if args.uds else f"http://{args.host}:{args.port}"
         try:
             await site.start()
         except OSError as e:
             print(
                 f"ERROR: [Errno {e.errno}] error while attempting to bind on address "
-                f"({args.host!r}, {args.port}): {e.strerror}",
+                f"({args.uds or args.host!r}, {args.port}): {e.strerror}",
                 file=sys.stderr,
                 flush=True,
             )
@@ -918,7 +925,7 @@ async def serve(args: argparse.Namespace, unknown: list[str]) -> int:
         print("INFO:     Waiting for application startup.", flush=True)
         print("INFO:     Application startup complete.", flush=True)
         print(
-            f"INFO:     Uvicorn running on http://{args.host}:{args.port} (Press CTRL+C to quit)",
+            f"INFO:     Uvicorn running on {where} (Press CTRL+C to quit)",
             flush=True,
         )
         await stop.wait()

@@ -591,7 +591,14 @@ def _fill_backlog(port: int, n: int = 400) -> list[socket.socket]:
 
 
 def test_504_engine_connect_timeout(tmp_path: Path) -> None:
-    cfg = fake_engine_config(tmp_path, 1, health={"interval_s": 0.5, "failures_to_restart": 100})
+    # Over TCP, where a full accept queue makes connect() time out (a Unix socket would
+    # refuse at once): what is tested is that a timeout is answered 504.
+    cfg = fake_engine_config(
+        tmp_path,
+        1,
+        engine={"listen": "tcp"},
+        health={"interval_s": 0.5, "failures_to_restart": 100},
+    )
     with run_appliance(tmp_path, cfg) as app:
         app.wait_ready()
         admin = (tmp_path / "admin.key").read_text().strip()

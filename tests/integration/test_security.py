@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import stat
 import subprocess
@@ -123,23 +124,71 @@ def test_scopes_are_enforced_per_route(daemon: tuple[Appliance, Path, str]) -> N
                 assert json.loads(body)["error"]["type"] == "permission_error"
 
 
-def test_engine_ports_refuse_requests_without_the_per_boot_key(
+def test_engines_listen_only_on_private_unix_sockets_and_want_their_key(
     daemon: tuple[Appliance, Path, str],
 ) -> None:
-    app, _, key = daemon
+    app, tmp, key = daemon
     body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 2}).encode()
+    run_dir = os.stat(tmp / "run")
+    assert stat.S_IMODE(run_dir.st_mode) == 0o700 and run_dir.st_uid == os.geteuid()
     for i in range(2):
-        port = app.engine_port(i)
-        assert call(f"http://127.0.0.1:{port}/v1/completions", "POST", None, body)[0] == 401
+        path = app.engine_socket(i)
+        assert stat.S_ISSOCK(os.stat(path).st_mode)
+        assert app.engine_request(i, "POST", "/v1/completions", body)[0] == 401
         # The gateway's keys mean nothing to an engine.
-        assert call(f"http://127.0.0.1:{port}/v1/completions", "POST", key, body)[0] == 401
-        # Engines listen on loopback only.
-        conns = [
-            c
-            for c in psutil.net_connections("tcp")
-            if c.status == psutil.CONN_LISTEN and c.laddr.port == port
-        ]
-        assert conns and all(c.laddr.ip == "127.0.0.1" for c in conns)
+        auth = {"Authorization": f"Bearer {key}"}
+        assert app.engine_request(i, "POST", "/v1/completions", body, auth)[0] == 401
+        stats = app.engine_stats(i)
+        assert stats is not None
+        # No TCP listener anywhere in the engine's tree.
+        tree = psutil.Process(stats["pid"])
+        for proc in [tree, *tree.children(recursive=True)]:
+            listening = [c for c in proc.net_connections("inet") if c.status == "LISTEN"]
+            assert listening == [], (proc.pid, listening)
+
+
+OTHER_USER_PROBE = """
+import json, socket, sys
+out = {}
+for path in sys.argv[1:]:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.connect(path)
+        s.sendall(b"POST /invocations HTTP/1.1\\r\\nHost: x\\r\\nContent-Length: 2\\r\\n\\r\\n{}")
+        out[path] = "connected: " + s.recv(200).decode(errors="replace")
+    except OSError as exc:
+        out[path] = type(exc).__name__
+    finally:
+        s.close()
+print(json.dumps(out))
+"""
+
+
+# The probe runs as another account, which cannot enter root's home where the venv lives.
+SYSTEM_PYTHON = shutil.which("python3", path="/usr/bin:/bin")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a probe as another user")
+@pytest.mark.skipif(SYSTEM_PYTHON is None, reason="no system python3 for the probe")
+def test_another_local_user_reaches_nothing_of_an_engine(
+    daemon: tuple[Appliance, Path, str],
+) -> None:
+    """vLLM's own key leaves /invocations, /tokenize and more open; the private socket
+    directory keeps every other account away from all of it."""
+    app, _, _ = daemon
+    paths = [app.engine_socket(i) for i in range(2)]
+    probe = subprocess.run(
+        [str(SYSTEM_PYTHON), "-c", OTHER_USER_PROBE, *paths],
+        user=65534,
+        group=65534,
+        extra_groups=[],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd="/",
+    )
+    assert probe.returncode == 0, probe.stderr
+    assert json.loads(probe.stdout) == {p: "PermissionError" for p in paths}
 
 
 def test_default_bind_is_loopback() -> None:
@@ -155,8 +204,9 @@ def test_no_secret_in_logs_metrics_status_or_keys_file(daemon: tuple[Appliance, 
     for i in range(2):
         stats = app.engine_stats(i)
         assert stats is not None
-        argv = psutil.Process(stats["pid"]).cmdline()
-        engine_keys.append(argv[argv.index("--api-key") + 1])
+        proc = psutil.Process(stats["pid"])
+        engine_keys.append(proc.environ()["VLLM_API_KEY"])
+        assert not any(engine_keys[-1] in a for a in proc.cmdline())
     call(
         app.url + "/v1/completions",
         "POST",
@@ -281,3 +331,104 @@ def test_slow_clients_do_not_block_others(daemon: tuple[Appliance, Path, str]) -
             s.close()
         lazy.close()
     assert call(app.url + "/healthz")[0] == 200
+
+
+def test_every_spawn_gets_a_new_engine_key_and_the_old_one_dies_with_it(tmp_path: Path) -> None:
+    cfg = fake_engine_config(tmp_path, 1)
+    with run_appliance(tmp_path, cfg) as app:
+        app.wait_ready()
+        first = app.engine_stats(0)
+        assert first is not None
+        old_key = psutil.Process(first["pid"]).environ()["VLLM_API_KEY"]
+        app.engine_control(0, crash=True)
+        app.wait_for(
+            lambda: (s := app.engine_stats(0)) is not None and s["pid"] != first["pid"],
+            20,
+            "engine0 restarted",
+        )
+        app.wait_ready()
+        second = app.engine_stats(0)
+        assert second is not None
+        new_key = psutil.Process(second["pid"]).environ()["VLLM_API_KEY"]
+        assert new_key != old_key
+        body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 2}).encode()
+        old = {"Authorization": f"Bearer {old_key}", "Content-Type": "application/json"}
+        assert app.engine_request(0, "POST", "/v1/completions", body, old)[0] == 401
+
+
+class Squatter:
+    """A local process's HTTP server on an engine's port: answers 200 to anything and
+    records every request, so a test sees whether the supervisor sent it a key."""
+
+    def __init__(self, port: int) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", port))
+        self.sock.listen(16)
+        self.requests: list[bytes] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        self.sock.settimeout(0.1)
+        while not self._stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            with conn:
+                conn.settimeout(1)
+                try:
+                    self.requests.append(conn.recv(65536))
+                    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self._stop.set()
+        self.sock.close()
+        self._thread.join(5)
+
+
+def test_a_squatter_on_a_tcp_engine_port_is_named_and_never_sent_a_key(tmp_path: Path) -> None:
+    """engine.listen = "tcp": another process binds the engine's port while the engine is
+    still loading (vLLM binds only after its imports). It must get nothing from us."""
+    cfg = fake_engine_config(
+        tmp_path,
+        1,
+        "--startup-delay",
+        "3",
+        engine={"listen": "tcp"},
+        restart={"max_restarts_per_hour": 1, "backoff_initial_s": 0.1},
+    )
+    port = cfg["engine"]["port_base"]
+    with run_appliance(tmp_path, cfg) as app:
+        app.wait_for(lambda: "engine0: starting on" in app.log(), 20, "engine0 spawned")
+        squatter = Squatter(port)  # after our port check, before the engine binds
+        try:
+            assert app.wait_exit(60) == 3  # the engine never ran; nothing else was used
+            log = app.log()
+        finally:
+            squatter.close()
+    assert f"port {port} is held by" in log and f"(pid {os.getpid()})" in log
+    assert squatter.requests == []  # not even /health, let alone the key
+    assert "-> READY" not in log
+
+
+def test_a_command_asking_for_the_key_gets_it_but_the_log_never_shows_it(tmp_path: Path) -> None:
+    """{api_key} in engine.command still works (check-config warns), and the start log
+    redacts the key inside any argument, not only an argument equal to it."""
+    cfg = fake_engine_config(tmp_path, 1)
+    cfg["engine"]["command"] = [*cfg["engine"]["command"], "--api-key={api_key}"]
+    with run_appliance(tmp_path, cfg) as app:
+        app.wait_ready()
+        stats = app.engine_stats(0)
+        assert stats is not None
+        proc = psutil.Process(stats["pid"])
+        key = proc.environ()["VLLM_API_KEY"]
+        assert f"--api-key={key}" in proc.cmdline()
+        log = app.log()
+    assert "--api-key=***" in log
+    assert key not in log

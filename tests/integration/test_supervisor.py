@@ -13,7 +13,9 @@ import signal
 import socket
 import sys
 import time
+import urllib.request
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -294,7 +296,10 @@ def test_second_sigint_stops_at_once(tmp_path: Path) -> None:
 
 def test_foreign_process_on_engine_port_is_named_not_killed(tmp_path: Path) -> None:
     cfg = fake_engine_config(
-        tmp_path, 1, restart={"max_restarts_per_hour": 1, "backoff_initial_s": 0.1}
+        tmp_path,
+        1,
+        engine={"listen": "tcp"},
+        restart={"max_restarts_per_hour": 1, "backoff_initial_s": 0.1},
     )
     squatter = socket.socket()
     squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -367,3 +372,63 @@ def test_missing_config_file_is_exit_2(tmp_path: Path) -> None:
     )
     assert out.returncode == 2
     assert "no such file" in out.stderr
+
+
+def _engine_state(app: Any, key: str, i: int) -> str | None:
+    code, body = get_json(app.url + "/admin/status", headers={"Authorization": f"Bearer {key}"})
+    return body["engines"][i]["state"] if code == 200 else None
+
+
+def test_a_frozen_engine_gets_no_new_work_from_its_first_failed_check(tmp_path: Path) -> None:
+    """SIGSTOP one of two engines: it is out of routing (SUSPECT) after one failed check,
+    not after failures_to_restart of them; SIGCONT before the verdict brings it back
+    with nothing restarted."""
+    import openai
+
+    interval, probe = 1.0, 3.0
+    cfg = fake_engine_config(
+        tmp_path,
+        2,
+        health={"interval_s": interval, "probe_timeout_s": probe, "failures_to_restart": 6},
+    )
+    with run_appliance(tmp_path, cfg) as app:
+        app.wait_ready()
+        key = (tmp_path / "admin.key").read_text().strip()
+        client = openai.OpenAI(base_url=app.url + "/v1", api_key=key, max_retries=0, timeout=60)
+        stats = app.engine_stats(0)
+        assert stats is not None
+        frozen_pid = int(stats["pid"])
+        os.kill(frozen_pid, signal.SIGSTOP)
+        try:
+            frozen_at = time.monotonic()
+            app.wait_for(
+                lambda: _engine_state(app, key, 0) == "SUSPECT",
+                probe + interval + 1.0,
+                "engine0 SUSPECT within probe_timeout_s + interval_s + 1 s",
+            )
+            suspect_after = time.monotonic() - frozen_at
+            # Every request from now on goes to engine1: one sent to the frozen engine
+            # could not be answered before SIGCONT (or the hung verdict, 6 checks away).
+            for _ in range(10):
+                r = client.completions.create(
+                    model="smollm2-135m-instruct", prompt="x", max_tokens=3, timeout=2.5
+                )
+                assert r.choices[0].text
+            assert _engine_state(app, key, 0) == "SUSPECT"
+            req = urllib.request.Request(
+                app.url + "/metrics", headers={"Authorization": f"Bearer {key}"}
+            )
+            with urllib.request.urlopen(req, timeout=5) as resp:
+                metrics = resp.read().decode()
+            assert 'appliance_engine_state{engine="0",state="SUSPECT"} 1.0' in metrics
+        finally:
+            os.kill(frozen_pid, signal.SIGCONT)
+        app.wait_for(
+            lambda: _engine_state(app, key, 0) == "READY", probe + interval + 2.0, "READY again"
+        )
+        code, body = get_json(app.url + "/admin/status", headers={"Authorization": f"Bearer {key}"})
+        assert code == 200
+        engine0 = body["engines"][0]
+        assert engine0["restarts"] == 0 and engine0["pid"] == frozen_pid
+        assert "hung" not in app.log()
+        print(f"\n[suspect] engine0 out of routing {suspect_after:.1f} s after SIGSTOP")

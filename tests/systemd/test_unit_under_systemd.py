@@ -53,8 +53,8 @@ def fake_config() -> dict[str, dict[str, Any]]:
             "command": [
                 f"{VENV}/bin/python",
                 FAKE_ENGINE,
-                "--port",
-                "{port}",
+                "--uds",
+                "{uds}",
                 "--api-key",
                 "{api_key}",
                 "--served-model-name",
@@ -408,6 +408,9 @@ def test_real_vllm_engine_under_the_unit(installed_appliance: InstalledAppliance
         assert reply["usage"]["completion_tokens"] > 0, reply
         vllm = [p for p in processes(app) if "vllm" in p.lower() or str(python) in p]
         assert vllm, "no vLLM process while the engine serves"
+        # On a Unix socket in the unit's RuntimeDirectory (0700), no TCP port.
+        assert any("--uds /run/llm-appliance/engine0.sock" in p for p in vllm), vllm
+        assert not any("--port" in p for p in vllm), vllm
         # The per-boot key is not on any command line (every local user can read those):
         # it is in the API server's environment.
         assert not [k for line in vllm for k in ENGINE_KEY.findall(line)], vllm

@@ -78,6 +78,8 @@ GOOD: list[tuple[str, Any, Any, dict[str, Any]]] = [
     ("engine.gpus", [7, 6, 5, 4, 3, 2, 1, 0], [7, 6, 5, 4, 3, 2, 1, 0], {}),
     ("engine.cpu_engines", 8, 8, {}),
     ("engine.port_base", 9100, 9100, {}),
+    ("engine.listen", "tcp", "tcp", {}),
+    ("engine.listen", "unix", "unix", {}),
     ("engine.max_model_len", 16, 16, {}),
     ("engine.max_num_batched_tokens", 16384, 16384, {}),
     ("engine.gpu_memory_utilization", 1, 1.0, {}),
@@ -88,8 +90,8 @@ GOOD: list[tuple[str, Any, Any, dict[str, Any]]] = [
     ("engine.env", {"OMP_NUM_THREADS": "4"}, {"OMP_NUM_THREADS": "4"}, {}),
     (
         "engine.command",
-        ["{python}", "-m", "srv", "--port", "{port}", "--key={api_key}"],
-        ["{python}", "-m", "srv", "--port", "{port}", "--key={api_key}"],
+        ["{python}", "-m", "srv", "--uds", "{uds}", "--key={api_key}"],
+        ["{python}", "-m", "srv", "--uds", "{uds}", "--key={api_key}"],
         {},
     ),
     ("engine.startup_timeout_s", 60, 60.0, {}),
@@ -108,6 +110,7 @@ GOOD: list[tuple[str, Any, Any, dict[str, Any]]] = [
     ("restart.backoff_initial_s", 0, 0.0, {}),
     ("restart.backoff_max_s", 600, 600.0, {}),
     ("restart.max_restarts_per_hour", 0, 0, {}),
+    ("restart.max_planned_restarts_per_hour", 12, 12, {}),
     ("restart.drain_timeout_s", 0, 0.0, {}),
     ("restart.degradation_restart", False, False, {}),
     ("thermal.heat_restart_after_s", 300, 300.0, {}),
@@ -192,7 +195,13 @@ BAD: list[Any] = [
     ("engine.env", ["A=1"], "['A=1']", "must be a table of string values"),
     ("engine.env", {"1BAD": "x"}, "1BAD", "not a valid environment variable name"),
     ("engine.command", "python -m x", '"python -m x"', "must be a list of strings"),
-    ("engine.command", ["{pyhton}"], '"{pyhton}"', "unknown placeholder {pyhton}; allowed: "),
+    (
+        "engine.command",
+        ["{pyhton}", "{uds}"],
+        '"{pyhton}"',
+        "unknown placeholder {pyhton}; allowed: ",
+    ),
+    ("engine.listen", "udp", '"udp"', 'must be one of "unix", "tcp"'),
     ("engine.startup_timeout_s", 0, "0", "must be >= 1"),
     ("engine.stop_timeout_s", 0, "0", "must be >= 0.1"),
     ("engine.cpu_kvcache_space_gib", 0, "0", "must be > 0"),
@@ -217,6 +226,7 @@ BAD: list[Any] = [
     ("restart.backoff_initial_s", -1, "-1", "must be >= 0"),
     ("restart.backoff_max_s", -0.5, "-0.5", "must be >= 0"),
     ("restart.max_restarts_per_hour", -1, "-1", "must be >= 0"),
+    ("restart.max_planned_restarts_per_hour", -1, "-1", "must be >= 0"),
     ("restart.max_restarts_per_hour", 1.5, "1.5", "must be an integer"),
     ("restart.drain_timeout_s", -1, "-1", "must be >= 0"),
     ("restart.degradation_restart", "true", '"true"', "must be true or false"),
@@ -446,20 +456,35 @@ def test_gpu_list_with_device_cpu_is_an_error() -> None:
 
 
 def test_unknown_placeholder_names_the_argument_and_the_allowed_ones() -> None:
-    (msg,) = problems_of({"engine": {"command": ["{python}", "--x", "{modle}"]}})
+    (msg,) = problems_of({"engine": {"command": ["{python}", "--x", "{modle}", "{uds}"]}})
     assert msg == (
         'engine.command[2] = "{modle}": unknown placeholder {modle}; allowed: '
-        "{api_key} {gpu} {model} {port} {python} {served_model_name}"
+        "{api_key} {gpu} {model} {port} {python} {served_model_name} {uds}"
     )
 
 
 def test_every_documented_placeholder_is_accepted() -> None:
-    cmd = ["{python}", "{model}", "{port}", "{gpu}", "{api_key}", "{served_model_name}"]
+    cmd = ["{python}", "{model}", "{uds}", "{port}", "{gpu}", "{api_key}", "{served_model_name}"]
     assert parse_config({"engine": {"command": cmd}}).engine.command == cmd
 
 
+@pytest.mark.parametrize(
+    ("listen", "command", "missing"),
+    [
+        ("unix", ["srv", "--port", "{port}"], "{uds}"),
+        ("tcp", ["srv", "--uds", "{uds}"], "{port}"),
+    ],
+)
+def test_a_command_must_say_where_to_listen(listen: str, command: list[str], missing: str) -> None:
+    (msg,) = problems_of({"engine": {"listen": listen, "command": command}})
+    assert msg.startswith(f"engine.command: has no {missing} placeholder"), msg
+    assert f'engine.listen = "{listen}"' in msg
+
+
 def test_escaped_braces_in_command_are_not_placeholders() -> None:
-    parse_config({"engine": {"command": ["{python}", "--compilation-config", '{{"level": 0}}']}})
+    parse_config(
+        {"engine": {"command": ["{python}", "--uds={uds}", "--compilation-config", '{{"l": 0}}']}}
+    )
 
 
 @pytest.mark.parametrize(
@@ -500,7 +525,9 @@ def test_engine_ports_must_stay_below_65536(engine: dict[str, Any], ok: bool) ->
 def test_gateway_port_must_not_collide_with_engine_ports(
     gateway_port: int, engine: dict[str, Any], clash: bool
 ) -> None:
-    raw = {"gateway": {"port": gateway_port}, "engine": engine}
+    # Engine ports exist only with listen = "tcp"; on Unix sockets nothing can clash.
+    parse_config({"gateway": {"port": gateway_port}, "engine": engine})
+    raw = {"gateway": {"port": gateway_port}, "engine": {**engine, "listen": "tcp"}}
     if clash:
         (msg,) = problems_of(raw)
         assert msg.startswith(f"gateway.port = {gateway_port}: collides with engine ports")
@@ -534,6 +561,7 @@ served_model_name = ""        # "" = derived from the model
 device = "auto"               # auto | cuda | cpu
 gpus = "auto"                 # "auto" or a list like [0, 1]; one engine per GPU
 cpu_engines = 1               # device = cpu: engines, cores split between them
+listen = "unix"               # unix | tcp (tcp: 127.0.0.1:port_base+i, checked)
 port_base = 8100
 max_model_len = 4096
 max_num_batched_tokens = 8192

@@ -9,8 +9,10 @@ import urllib.parse
 import pytest
 
 from appliance.config import Config, parse_config
+from appliance.endpoint import EngineAddress
 from appliance.engine import (
     ALLOWED_TRANSITIONS,
+    API_KEY_SLOT,
     EngineState,
     build_argv,
     build_env,
@@ -32,6 +34,11 @@ EXPECTED_MOVES = {
     (S.READY, S.DRAINING),  # restart or admin drain
     (S.READY, S.STOPPING),  # hung, or fast shutdown
     (S.READY, S.EXITED),  # crashed
+    (S.READY, S.SUSPECT),  # a failed health check: no new work
+    (S.SUSPECT, S.READY),  # the next check passed
+    (S.SUSPECT, S.DRAINING),  # admin drain or planned restart
+    (S.SUSPECT, S.STOPPING),  # hung: failures_to_restart checks failed
+    (S.SUSPECT, S.EXITED),  # crashed
     (S.DRAINING, S.READY),  # admin resume
     (S.DRAINING, S.STOPPING),  # drained
     (S.DRAINING, S.EXITED),  # crashed while draining
@@ -79,17 +86,28 @@ MODEL = "/var/lib/llm-appliance/models/SmolLM2-135M-Instruct"
 KEY = "eng-secretkey"
 
 
-def argv_for(cfg: Config, *, gpu: int | None, port: int = 8100) -> tuple[str, ...]:
-    return build_argv(
+SOCK = "/run/llm-appliance/engine0.sock"
+
+
+def argv_for(
+    cfg: Config,
+    *,
+    gpu: int | None,
+    port: int | None = None,
+    uds: str | None = None,
+) -> tuple[str, ...]:
+    """The spawned argv (the key filled in as a spawn does)."""
+    address = EngineAddress(port=port) if port is not None else EngineAddress(uds=uds or SOCK)
+    spec_argv = build_argv(
         cfg,
         python=PY,
         model=MODEL,
-        port=port,
+        address=address,
         gpu=gpu,
-        api_key=KEY,
         served_model_name="smol",
         on_gpu=gpu is not None,
     )
+    return tuple(a.replace(API_KEY_SLOT, KEY) for a in spec_argv)
 
 
 def option(argv: tuple[str, ...], name: str) -> str:
@@ -100,17 +118,25 @@ def option(argv: tuple[str, ...], name: str) -> str:
 @pytest.mark.parametrize("gpu", [0, None], ids=["gpu", "cpu"])
 def test_argv_common_part(gpu: int | None) -> None:
     cfg = parse_config({"engine": {"max_model_len": 2048, "max_num_batched_tokens": 4096}})
-    argv = argv_for(cfg, gpu=gpu, port=8123)
+    argv = argv_for(cfg, gpu=gpu)
     assert argv[:3] == (PY, "-m", "vllm.entrypoints.openai.api_server")
     assert option(argv, "--model") == MODEL
     assert option(argv, "--served-model-name") == "smol"
-    assert option(argv, "--host") == "127.0.0.1"
-    assert option(argv, "--port") == "8123"
+    # A Unix socket by default; vLLM then ignores --host and --port.
+    assert option(argv, "--uds") == SOCK
+    assert "--host" not in argv and "--port" not in argv
     # The key travels in the environment: a command line is readable by every user.
     assert "--api-key" not in argv and KEY not in argv
     assert option(argv, "--max-model-len") == "2048"
     assert option(argv, "--max-num-batched-tokens") == "4096"
     assert all(isinstance(a, str) for a in argv)
+
+
+def test_argv_over_tcp_binds_loopback_on_its_port() -> None:
+    argv = argv_for(parse_config({"engine": {"listen": "tcp"}}), gpu=0, port=8123)
+    assert option(argv, "--host") == "127.0.0.1"
+    assert option(argv, "--port") == "8123"
+    assert "--uds" not in argv
 
 
 @pytest.mark.parametrize(("util", "shown"), [(0.9, "0.9"), (0.5, "0.5"), (1, "1")])
@@ -142,8 +168,9 @@ def test_command_override_substitutes_every_placeholder(gpu: int | None, gpu_tex
         "{python}",
         "serve.py",
         "--model={model}",
-        "--port",
-        "{port}",
+        "--uds",
+        "{uds}",
+        "--port={port}",
         "--gpu={gpu}",
         "--api-key",
         "{api_key}",
@@ -152,13 +179,14 @@ def test_command_override_substitutes_every_placeholder(gpu: int | None, gpu_tex
         "literal",
     ]
     cfg = parse_config({"engine": {"command": command, "extra_args": ["--ignored"]}})
-    argv = argv_for(cfg, gpu=gpu, port=8105)
+    argv = argv_for(cfg, gpu=gpu, uds="/run/x/engine5.sock")
     assert argv == (
         PY,
         "serve.py",
         f"--model={MODEL}",
-        "--port",
-        "8105",
+        "--uds",
+        "/run/x/engine5.sock",
+        "--port=",  # no port with listen = unix
         f"--gpu={gpu_text}",
         "--api-key",
         KEY,
@@ -177,11 +205,11 @@ BASE = {"PATH": "/usr/bin", "HOME": "/var/lib/llm-appliance", "LANG": "C.UTF-8"}
 
 
 def env_for(cfg: Config, *, gpu: int | None, cpu_bind: str | None = None) -> dict[str, str]:
-    return build_env(cfg, BASE, gpu=gpu, cpu_bind=cpu_bind, engine_tag="boot1-0", api_key=KEY)
+    return build_env(cfg, BASE, gpu=gpu, cpu_bind=cpu_bind, engine_tag="boot1-0")
 
 
-def test_env_carries_the_engine_key() -> None:
-    assert env_for(Config(), gpu=None)["VLLM_API_KEY"] == KEY
+def test_env_has_no_key_until_a_spawn_adds_one() -> None:
+    assert "VLLM_API_KEY" not in env_for(Config(), gpu=None)
 
 
 @pytest.mark.parametrize("gpu", [0, 1, 7])

@@ -21,6 +21,7 @@ SUPERVISOR_ENV = {
     "WATCHDOG_PID": "1234",
 }
 BASE_ENV = child_environment(SUPERVISOR_ENV)
+SOCKETS = Path("/run/llm-appliance")
 
 
 @pytest.fixture
@@ -36,7 +37,11 @@ def home(tmp_path: Path) -> Path:
 
 
 def plan(
-    raw: dict[str, Any], home: Path, *, gpus: int = 0, cores: list[int] | None = None
+    raw: dict[str, Any],
+    home: Path,
+    *,
+    gpus: int = 0,
+    cores: list[int] | None = None,
 ) -> EnginePlan:
     return plan_engines(
         parse_config(raw),
@@ -44,6 +49,7 @@ def plan(
         cores=list(range(4)) if cores is None else cores,
         home=home,
         base_env=BASE_ENV,
+        socket_dir=SOCKETS,
     )
 
 
@@ -79,10 +85,14 @@ def test_engines_per_device(
     assert p.device == expect_device
     assert [s.gpu for s in p.specs] == expect_gpus
     assert [s.id for s in p.specs] == list(range(len(expect_gpus)))
-    assert [s.port for s in p.specs] == [9100 + i for i in range(len(expect_gpus))]
+    # The default: each engine on its own socket in the private directory, no TCP port.
+    assert [s.address.uds for s in p.specs] == [
+        str(SOCKETS / f"engine{i}.sock") for i in range(len(expect_gpus))
+    ]
+    assert [s.port for s in p.specs] == [None] * len(expect_gpus)
     for spec in p.specs:
-        assert option(spec.argv, "--port") == str(spec.port)
-        assert option(spec.argv, "--host") == "127.0.0.1"
+        assert option(spec.argv, "--uds") == spec.address.uds
+        assert "--port" not in spec.argv and "--host" not in spec.argv
         if expect_device == "cuda":
             assert spec.env["CUDA_VISIBLE_DEVICES"] == str(spec.gpu)
             assert "--gpu-memory-utilization" in spec.argv
@@ -195,6 +205,16 @@ def test_model_path_with_tilde_reaches_vllm_expanded(
     assert option(p.specs[0].argv, "--model") == str(tmp_path / "mymodel")
 
 
+def test_listen_tcp_puts_engine_i_on_port_base_plus_i(home: Path) -> None:
+    p = plan({"engine": {"listen": "tcp", "port_base": 9100}}, home, gpus=2)
+    assert [s.port for s in p.specs] == [9100, 9101]
+    for spec in p.specs:
+        assert spec.address.uds is None
+        assert option(spec.argv, "--port") == str(spec.port)
+        assert option(spec.argv, "--host") == "127.0.0.1"
+        assert "--uds" not in spec.argv
+
+
 @pytest.mark.parametrize(
     "command",
     [
@@ -204,21 +224,25 @@ def test_model_path_with_tilde_reaches_vllm_expanded(
 )
 def test_command_override_without_python_needs_no_venv(home: Path, command: list[str]) -> None:
     paths.engine_python(home).unlink()
-    p = plan({"engine": {"command": command}}, home, gpus=2)
+    p = plan({"engine": {"command": command, "listen": "tcp"}}, home, gpus=2)
     assert [s.argv[0] for s in p.specs] == ["/usr/bin/my-server"] * 2
     assert [option(s.argv, "--port") for s in p.specs] == ["8100", "8101"]
 
 
 def test_command_override_without_model_needs_no_model(home: Path) -> None:
     (paths.packaged_model(home) / "config.json").unlink()
-    p = plan({"engine": {"command": ["{python}", "fake.py", "{port}"]}}, home)
-    assert p.specs[0].argv == (str(paths.engine_python(home)), "fake.py", "8100")
+    p = plan({"engine": {"command": ["{python}", "fake.py", "{uds}"]}}, home)
+    assert p.specs[0].argv == (
+        str(paths.engine_python(home)),
+        "fake.py",
+        str(SOCKETS / "engine0.sock"),
+    )
 
 
 def test_command_override_with_python_still_needs_the_venv(home: Path) -> None:
     paths.engine_python(home).unlink()
     with pytest.raises(EngineSetupError, match="llm-appliance setup"):
-        plan({"engine": {"command": ["{python}", "fake.py"]}}, home)
+        plan({"engine": {"command": ["{python}", "fake.py", "{uds}"]}}, home)
 
 
 @pytest.mark.parametrize(
@@ -226,25 +250,21 @@ def test_command_override_with_python_still_needs_the_venv(home: Path) -> None:
     [
         ({}, 2),
         ({"engine": {"device": "cpu", "cpu_engines": 3}}, 0),
-        ({"engine": {"command": ["{python}", "x", "--api-key", "{api_key}"]}}, 2),
+        ({"engine": {"command": ["{python}", "x", "--api-key", "{api_key}", "{uds}"]}}, 2),
     ],
 )
-def test_every_engine_gets_its_own_key_in_its_environment_not_argv(
+def test_the_engine_key_is_given_at_spawn_in_the_environment_not_argv(
     home: Path, raw: dict[str, Any], gpus: int
 ) -> None:
+    """The plan holds no key (each spawn makes one); a spawn puts it in the environment,
+    and on the command line only where a `command` override asks for {api_key}."""
     p = plan(raw, home, gpus=gpus)
-    keys = [s.api_key for s in p.specs]
-    assert len(keys) >= 2
-    assert len(set(keys)) == len(keys)
     for spec in p.specs:
-        assert spec.env["VLLM_API_KEY"] == spec.api_key
-        # Only a `command` override that asks for {api_key} puts it on the command line.
-        assert (spec.api_key in spec.argv) == ("{api_key}" in str(raw))
-        assert not spec.api_key.startswith("-")
-
-
-def test_a_new_plan_gets_new_keys(home: Path) -> None:
-    assert plan({}, home).specs[0].api_key != plan({}, home).specs[0].api_key
+        assert "VLLM_API_KEY" not in spec.env
+        key = f"eng-spawn-key-{spec.id}"
+        assert spec.env_with_key(key)["VLLM_API_KEY"] == key
+        assert (key in spec.argv_with_key(key)) == ("{api_key}" in str(raw))
+        assert not any(key in a for a in spec.argv)
 
 
 def test_children_get_no_systemd_variables_and_a_tag(home: Path) -> None:
@@ -264,7 +284,14 @@ def test_children_get_no_systemd_variables_and_a_tag(home: Path) -> None:
 
 def test_plan_is_pure_given_its_inputs(home: Path) -> None:
     cfg = Config()
-    p = plan_engines(cfg, gpu_count=0, cores=[0, 1], home=home, base_env=BASE_ENV)
+    p = plan_engines(
+        cfg,
+        gpu_count=0,
+        cores=[0, 1],
+        home=home,
+        base_env=BASE_ENV,
+        socket_dir=SOCKETS,
+    )
     assert p.device == "cpu"
     assert child_environment(SUPERVISOR_ENV) == BASE_ENV  # not modified
 

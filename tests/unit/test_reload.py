@@ -27,6 +27,7 @@ MUST_NEED_RESTART = {
     "engine.device",
     "engine.gpus",
     "engine.cpu_engines",
+    "engine.listen",
     "engine.port_base",
     "engine.max_model_len",
     "engine.max_num_batched_tokens",
@@ -58,6 +59,8 @@ def other_value(cls: type[Any], name: str, current: Any) -> Any:
         return [0]
     if name == "device":
         return "cpu" if current != "cpu" else "cuda"
+    if name == "listen":
+        return "tcp" if current != "tcp" else "unix"
     raise AssertionError(f"no other value for {name}: {tp} {get_args(tp)}")
 
 

@@ -11,9 +11,11 @@ import asyncio
 import contextlib
 import socket
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 
+from appliance.endpoint import EngineAddress
 from appliance.gateway import splice
 from appliance.gateway.splice import (
     UpstreamError,
@@ -89,7 +91,7 @@ def test_parse_head() -> None:
 
 
 def test_request_bytes() -> None:
-    raw = request_bytes("/v1/x", "127.0.0.1", 8100, {"Authorization": "Bearer k"}, b"{}")
+    raw = request_bytes("/v1/x", "127.0.0.1:8100", {"Authorization": "Bearer k"}, b"{}")
     assert raw == (
         b"POST /v1/x HTTP/1.1\r\nHost: 127.0.0.1:8100\r\nContent-Length: 2\r\n"
         b"Authorization: Bearer k\r\n\r\n{}"
@@ -142,12 +144,12 @@ async def engine(scripts: list[list[bytes | None]]) -> AsyncIterator[ScriptedEng
 
 
 def req(port: int) -> bytes:
-    return request_bytes("/v1/completions", "127.0.0.1", port, {}, b'{"stream": true}')
+    return request_bytes("/v1/completions", f"127.0.0.1:{port}", {}, b'{"stream": true}')
 
 
 async def streaming(eng: ScriptedEngine) -> splice.UpstreamConnection:
     """A connection whose stream has begun: head read, first whole chunk here."""
-    conn = await UpstreamPool().acquire("127.0.0.1", eng.port)
+    conn = await UpstreamPool().acquire(EngineAddress(port=eng.port))
     await conn.send(req(eng.port))
     await conn.wait_first_chunk()
     return conn
@@ -190,7 +192,7 @@ async def test_a_stream_is_spliced_whole_chunks_only_and_the_connection_reused()
     pieces: list[bytes | None] = [wire[:30], wire[30:75], wire[75:76], wire[76:]]
     async with engine([pieces, [OK_HEAD, chunk(b"again"), b"0\r\n\r\n"]]) as eng:
         pool = UpstreamPool()
-        conn = await pool.acquire("127.0.0.1", eng.port)
+        conn = await pool.acquire(EngineAddress(port=eng.port))
         head = await conn.send(req(eng.port))
         assert head.status == 200 and head.chunked
         await conn.wait_first_chunk()
@@ -200,8 +202,8 @@ async def test_a_stream_is_spliced_whole_chunks_only_and_the_connection_reused()
             got = await read_all(far, until=events[-1])
         assert got == b"".join(events)  # every event, not the engine's terminal chunk
         assert conn.finished
-        pool.release("127.0.0.1", eng.port, conn)
-        again = await pool.acquire("127.0.0.1", eng.port)
+        pool.release(EngineAddress(port=eng.port), conn)
+        again = await pool.acquire(EngineAddress(port=eng.port))
         assert again is conn  # kept alive
         head = await again.send(req(eng.port))
         assert await again.read_body() == b"again"
@@ -209,10 +211,43 @@ async def test_a_stream_is_spliced_whole_chunks_only_and_the_connection_reused()
         pool.close()
 
 
+async def test_an_engine_on_a_unix_socket_is_spliced_and_its_connection_reused(
+    tmp_path: Path,
+) -> None:
+    """engine.listen = "unix": the pool reaches the engine through its socket file."""
+    path = str(tmp_path / "engine0.sock")
+    eng = ScriptedEngine(
+        [[OK_HEAD, chunk(b"data: 1\n\n"), b"0\r\n\r\n"], [OK_HEAD, chunk(b"two"), b"0\r\n\r\n"]]
+    )
+    server = await asyncio.start_unix_server(eng.handle, path)
+    address = EngineAddress(uds=path)
+    pool = UpstreamPool()
+    try:
+        conn = await pool.acquire(address)
+        head = await conn.send(request_bytes("/v1/completions", address.host, {}, b"{}"))
+        assert head.status == 200 and head.chunked
+        assert await conn.read_body() == b"data: 1\n\n"
+        pool.release(address, conn)
+        again = await pool.acquire(address)
+        assert again is conn  # kept alive, per socket path
+        await again.send(request_bytes("/v1/completions", address.host, {}, b"{}"))
+        assert await again.read_body() == b"two"
+        assert eng.connections == 1
+        assert eng.requests[0].startswith(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n")
+    finally:
+        pool.close()
+        server.close()
+
+
+async def test_a_missing_engine_socket_is_an_upstream_error(tmp_path: Path) -> None:
+    with pytest.raises(UpstreamError, match="cannot connect to the engine"):
+        await UpstreamPool().acquire(EngineAddress(uds=str(tmp_path / "gone.sock")))
+
+
 async def test_engine_dying_mid_stream_is_an_error_after_whole_chunks() -> None:
     async with engine([[OK_HEAD, chunk(b"data: 1\n\n"), b"9\r\ndata:", None]]) as eng:
         pool = UpstreamPool()
-        conn = await pool.acquire("127.0.0.1", eng.port)
+        conn = await pool.acquire(EngineAddress(port=eng.port))
         await conn.send(req(eng.port))
         await conn.wait_first_chunk()
         async with client_socket() as (transport, far):
@@ -222,18 +257,18 @@ async def test_engine_dying_mid_stream_is_an_error_after_whole_chunks() -> None:
             # The half chunk never reached the client: its stream is at a boundary.
             assert await read_all(far, wait_s=0.3) == chunk(b"data: 1\n\n")
         assert not conn.finished
-        pool.release("127.0.0.1", eng.port, conn)  # closed, not pooled
-        assert (await pool.acquire("127.0.0.1", eng.port)) is not conn
+        pool.release(EngineAddress(port=eng.port), conn)  # closed, not pooled
+        assert (await pool.acquire(EngineAddress(port=eng.port))) is not conn
 
 
 async def test_failure_before_the_first_chunk_is_raised_before_anything_is_sent() -> None:
     async with engine([[OK_HEAD, None]]) as eng:
-        conn = await UpstreamPool().acquire("127.0.0.1", eng.port)
+        conn = await UpstreamPool().acquire(EngineAddress(port=eng.port))
         await conn.send(req(eng.port))
         with pytest.raises(UpstreamError):
             await conn.wait_first_chunk()
     async with engine([[b"HTTP/1.1 200 OK\r\nContent-Le", None]]) as eng:
-        conn = await UpstreamPool().acquire("127.0.0.1", eng.port)
+        conn = await UpstreamPool().acquire(EngineAddress(port=eng.port))
         with pytest.raises(UpstreamError, match="closed the connection"):
             await conn.send(req(eng.port))
 
@@ -253,7 +288,7 @@ async def test_failure_before_the_first_chunk_is_raised_before_anything_is_sent(
 )
 async def test_a_non_streamed_answer_is_read_whole(answer: list[bytes | None]) -> None:
     async with engine([answer]) as eng:
-        conn = await UpstreamPool().acquire("127.0.0.1", eng.port)
+        conn = await UpstreamPool().acquire(EngineAddress(port=eng.port))
         head = await conn.send(req(eng.port))
         assert head.status == 400
         body = await conn.read_body()
@@ -267,7 +302,7 @@ async def test_bad_http_from_the_engine_is_an_error_not_a_crash() -> None:
         [b"HTTP/1.1 200 OK\r\n" + b"X: " + b"a" * (splice.MAX_HEAD_BYTES + 10)],
     ):
         async with engine([list(answer)]) as eng:
-            conn = await UpstreamPool().acquire("127.0.0.1", eng.port)
+            conn = await UpstreamPool().acquire(EngineAddress(port=eng.port))
             with pytest.raises(UpstreamError):
                 await conn.send(req(eng.port))
                 await conn.wait_first_chunk()
@@ -316,16 +351,16 @@ async def test_a_connection_idle_too_long_is_not_reused(monkeypatch: pytest.Monk
     answer: list[bytes | None] = [b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"]
     async with engine([list(answer), list(answer), list(answer)]) as eng:
         pool = UpstreamPool()
-        first = await pool.acquire("127.0.0.1", eng.port)
+        first = await pool.acquire(EngineAddress(port=eng.port))
         await first.send(req(eng.port))
         assert await first.read_body() == b"ok"
-        pool.release("127.0.0.1", eng.port, first)
-        assert await pool.acquire("127.0.0.1", eng.port) is first  # fresh: reused
+        pool.release(EngineAddress(port=eng.port), first)
+        assert await pool.acquire(EngineAddress(port=eng.port)) is first  # fresh: reused
         await first.send(req(eng.port))
         assert await first.read_body() == b"ok"
-        pool.release("127.0.0.1", eng.port, first)
+        pool.release(EngineAddress(port=eng.port), first)
         await asyncio.sleep(0.2)
-        second = await pool.acquire("127.0.0.1", eng.port)
+        second = await pool.acquire(EngineAddress(port=eng.port))
         assert second is not first and first.transport is not None
         assert first.transport.is_closing()
         await second.send(req(eng.port))
