@@ -136,8 +136,7 @@ def _engine_checks(
             under_unit=under_unit,
         ),
     ]
-    # engine.listen arrived with the Unix sockets; a config without it means TCP ports.
-    if getattr(config.engine, "listen", "tcp") == "unix":
+    if config.engine.listen == "unix":
         results.append(check_socket_dir(runtime_dir(env), account))
     else:
         n = _engine_count(config, device, len(gpus))
