@@ -139,6 +139,32 @@ class GatewayConfig:
         "false: /metrics needs a key with scope `metrics` or "
         "`admin`; true: anyone who can reach the gateway may read it.",
     )
+    max_connections: int = _f(
+        1024,
+        "Client connections open at once. One more is answered 503 and closed at once; "
+        "the open ones carry on. Each takes a file descriptor: serve raises its soft "
+        "open-files limit to fit, up to the hard limit (the unit's LimitNOFILE).",
+        lo=1,
+        hi=100_000,
+    )
+    header_timeout_s: float = _f(
+        10.0,
+        "A connection must send a complete request head (request line and headers) "
+        "within this of opening, or of the first byte of a later request; else 408 and "
+        "it is closed. Answers are never timed: long streams to slow readers go on. An "
+        "idle keep-alive connection is closed after 75 s.",
+        lo=0,
+        hi=3600,
+        lo_open=True,
+    )
+    body_timeout_s: float = _f(
+        30.0,
+        "A request body must be complete within this of its head; else 408 and the "
+        "connection is closed.",
+        lo=0,
+        hi=3600,
+        lo_open=True,
+    )
 
 
 @dataclass(frozen=True)

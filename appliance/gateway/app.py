@@ -38,6 +38,7 @@ from appliance.gateway.keys import (
 from appliance.gateway.metrics import GatewayMetrics
 from appliance.gateway.proxy import Relay
 from appliance.gateway.ratelimit import RateLimiter
+from appliance.gateway.server import BodyTimeout, ConnectionLimits, GatewayRunner, ensure_fd_room
 from appliance.gateway.splice import UpstreamPool
 from appliance.policy.thermal import HARD_LEVEL
 
@@ -195,6 +196,9 @@ async def gateway_middleware(request: web.Request, handler: Any) -> web.StreamRe
         return resp
     except GatewayError as exc:
         status = exc.status
+        return exc.response()
+    except BodyTimeout as exc:  # the connection's body timer (gateway.server) ran out
+        status = 408
         return exc.response()
     except web.HTTPException as exc:
         status = exc.status
@@ -495,8 +499,18 @@ async def start_gateway(supervisor: Supervisor) -> web.AppRunner:
         log.warning("no API keys in %s: create one with `llm-appliance keys create`", g.keys_file)
     ctx = _ssl_context(g.tls_cert, g.tls_key) if g.tls_cert else None
     # handler_cancellation: a client that disconnects cancels its handler, which closes
-    # the upstream request, which makes vLLM abort the generation.
-    runner = web.AppRunner(app, access_log=None, shutdown_timeout=5.0, handler_cancellation=True)
+    # the upstream request, which makes vLLM abort the generation. GatewayRunner bounds
+    # connections, request read times and the log lines clients can cause.
+    runner = GatewayRunner(
+        app,
+        ConnectionLimits.from_config(g),
+        access_log=None,
+        shutdown_timeout=5.0,
+        handler_cancellation=True,
+    )
+    fd_warning = ensure_fd_room(g.max_connections)
+    if fd_warning:
+        log.warning("%s", fd_warning)
     await runner.setup()
     site = web.TCPSite(runner, g.host, g.port, ssl_context=ctx, backlog=1024)
     try:

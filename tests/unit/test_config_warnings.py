@@ -1,5 +1,5 @@
 """Settings that are allowed but unwise: `check-config` names them (still exit 0) and
-`serve` logs them at start."""
+`serve` logs them at start; plus the gateway's connection-limit keys."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 from appliance import config as config_mod
 from appliance.cli import main
 from appliance.config import CONFIG_ENV, Config, EngineConfig, config_warnings, parse_config
+from appliance.errors import ConfigError
 
 LAN = {"host": "0.0.0.0", "allow_lan": True}
 TLS = {"tls_cert": "/etc/llm-appliance/cert.pem", "tls_key": "/etc/llm-appliance/key.pem"}
@@ -75,3 +76,28 @@ def test_check_config_prints_warnings_after_the_summary_and_exits_0(
     assert out.count("\n") == 1 and out.startswith(f"config ok ({path})")
     (line,) = err.splitlines()
     assert line.startswith('llm-appliance: warning: gateway.host = "0.0.0.0" (allow_lan')
+
+
+def test_connection_limits_have_team_box_defaults() -> None:
+    g = parse_config({}).gateway
+    assert (g.max_connections, g.header_timeout_s, g.body_timeout_s) == (1024, 10.0, 30.0)
+    g = parse_config(
+        {"gateway": {"max_connections": 50, "header_timeout_s": 2.5, "body_timeout_s": 60}}
+    ).gateway
+    assert (g.max_connections, g.header_timeout_s, g.body_timeout_s) == (50, 2.5, 60.0)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("max_connections", 0, "gateway.max_connections = 0: must be >= 1 and <= 100000"),
+        ("max_connections", "many", 'gateway.max_connections = "many": must be an integer'),
+        ("header_timeout_s", 0, "gateway.header_timeout_s = 0: must be > 0 and <= 3600"),
+        ("body_timeout_s", -1, "gateway.body_timeout_s = -1: must be > 0 and <= 3600"),
+        ("body_timeout_s", 1e9, "gateway.body_timeout_s = 1000000000.0: must be > 0 and <= 3600"),
+    ],
+)
+def test_connection_limits_are_bounded(key: str, value: Any, message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config({"gateway": {key: value}})
+    assert info.value.problems == [message]
