@@ -53,7 +53,7 @@ from typing import Any, Literal, get_args
 
 from appliance.errors import ApplianceError
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("appliance.gateway.keys")  # the package's name, as before
 
 KEY_PREFIX = "sk-la-"
 SCOPES = frozenset({"user", "metrics", "admin"})
