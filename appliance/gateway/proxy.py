@@ -8,7 +8,9 @@ engine's per-boot key instead.
 Failure handling, by when it happens:
 
 - before the engine sent a byte (connection refused, engine 5xx, reset): the request is
-  retried once on another engine, so a crashing engine costs clients nothing;
+  retried once on another engine, so a crashing engine costs clients nothing; when no
+  other engine is left, the client gets 504 if the engine timed out and 502 otherwise,
+  decided by :class:`EngineFailure`'s ``timed_out``, set where the failure is caught;
 - after the first byte of a stream: the client gets one SSE error event and the stream
   ends (the ``openai`` client raises ``APIError``), never a silently truncated answer;
 - the supervisor declares the engine unresponsive (hung): :meth:`Relay.abandon` applies
@@ -71,6 +73,34 @@ class ParsedRequest:
     body: bytes  # what the engine is sent: the client's bytes, unless a field had to be set
 
 
+@dataclass(frozen=True, slots=True)
+class EngineFailure:
+    """Why an engine failed before the first byte of its answer reached the client.
+
+    The relay retries it on another engine; when none is left, the client gets 504 if
+    ``timed_out``, else 502, with ``reason`` in the message.
+    """
+
+    reason: str  # the words clients and logs see
+    timed_out: bool  # the engine did not answer in time (not: refused, reset, 5xx, given up)
+
+    @classmethod
+    def of_client_error(cls, exc: BaseException) -> EngineFailure:
+        """An aiohttp or socket error, named by its class. aiohttp's connect and read
+        timeouts (``ServerTimeoutError`` and its kinds) are ``TimeoutError``s."""
+        return cls(type(exc).__name__, timed_out=isinstance(exc, TimeoutError))
+
+    @classmethod
+    def of_upstream(cls, exc: UpstreamError) -> EngineFailure:
+        """A splice connection's failure, which says itself whether it timed out."""
+        return cls(str(exc), timed_out=exc.timed_out)
+
+    @classmethod
+    def engine_answered(cls, status: int) -> EngineFailure:
+        """An engine's own 5xx: it answered, so it did not time out (even a 504)."""
+        return cls(f"engine answered {status}", timed_out=False)
+
+
 @dataclass(eq=False, slots=True)
 class _Attempt:
     """One request's try on one engine, so the engine can be abandoned mid-try."""
@@ -78,7 +108,12 @@ class _Attempt:
     task: asyncio.Task[Any] | None
     # Closes the engine connection of this try (pending reads then fail), once there is one.
     close: Callable[[], None] | None = None
-    why: str = ""  # why the engine was given up on (abandon()); "" while it was not
+    given_up: EngineFailure | None = None  # set by abandon(): the engine stopped answering
+
+    @property
+    def why(self) -> str:
+        """Why the engine was given up on; "" while it was not."""
+        return self.given_up.reason if self.given_up is not None else ""
 
 
 def _stream_response(content_type: str) -> web.StreamResponse:
@@ -108,12 +143,14 @@ async def _end_with_error_event(request: web.Request, resp: web.StreamResponse, 
         )
 
 
-def _given_up(attempt: _Attempt) -> bool:
-    """Whether the CancelledError being handled is abandon()'s own, and only that: then
-    it is taken back and the try counts as an engine failure before the first byte (a
-    client that went away cancels too, and that one must go on)."""
+def _given_up(attempt: _Attempt) -> EngineFailure | None:
+    """abandon()'s failure if the CancelledError being handled is abandon()'s own, and
+    only that: then it is taken back and the try counts as an engine failure before the
+    first byte (a client that went away cancels too, and that one must go on)."""
     task = asyncio.current_task()
-    return bool(attempt.why) and task is not None and task.uncancel() == 0
+    if attempt.given_up is None or task is None or task.uncancel() != 0:
+        return None
+    return attempt.given_up
 
 
 async def _read_limited(upstream: aiohttp.ClientResponse, limit: int) -> bytes:
@@ -128,6 +165,16 @@ async def _read_limited(upstream: aiohttp.ClientResponse, limit: int) -> bytes:
             raise AnswerTooLarge(limit)
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+def _engine_error(failure: EngineFailure) -> GatewayError:
+    """No engine left to try: 504 when the last one timed out, 502 otherwise."""
+    return GatewayError(
+        504 if failure.timed_out else 502,
+        f"the engine failed before answering ({failure.reason})",
+        code="engine_error",
+        reason="engine_error",
+    )
 
 
 def _bad(message: str, param: str | None = None) -> GatewayError:
@@ -197,7 +244,8 @@ class Relay:
         """
         attempts = list(self._attempts.get(engine_id, ()))
         for attempt in attempts:
-            attempt.why = why
+            # A verdict on the engine, not a timeout of this request: 502 if not retried.
+            attempt.given_up = EngineFailure(why, timed_out=False)
             if attempt.close is not None:
                 # Pending reads fail: handled like a broken engine.
                 attempt.close()
@@ -285,16 +333,10 @@ class Relay:
                 log.warning(
                     "engine%d failed before answering (%s); retrying on another engine",
                     engine_id,
-                    result,
+                    result.reason,
                 )
                 continue
-            timed_out = "timeout" in result.lower()
-            raise GatewayError(
-                504 if timed_out else 502,
-                f"the engine failed before answering ({result})",
-                code="engine_error",
-                reason="engine_error",
-            )
+            raise _engine_error(result)
         raise AssertionError("unreachable")
 
     async def _read_whole(self, read: Callable[[int], Awaitable[bytes]]) -> bytes:
@@ -322,7 +364,7 @@ class Relay:
         raw: bytes,
         parsed: ParsedRequest,
         started: float,
-    ) -> web.StreamResponse | str:
+    ) -> web.StreamResponse | EngineFailure:
         """The response sent, or why the engine failed before its first byte."""
         gw = self.gw
         snap = gw.supervisor.engines[engine_id].snapshot()
@@ -351,7 +393,7 @@ class Relay:
         raw: bytes,
         parsed: ParsedRequest,
         started: float,
-    ) -> web.StreamResponse | str:
+    ) -> web.StreamResponse | EngineFailure:
         """A non-streamed request (or an HTTP/1.0 client's stream), through aiohttp."""
         try:
             upstream = await self.gw.session_for(address).post(
@@ -361,15 +403,16 @@ class Relay:
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
             )
         except (aiohttp.ClientError, OSError) as exc:
-            return f"{type(exc).__name__}"
+            return EngineFailure.of_client_error(exc)
         except asyncio.CancelledError:
-            if _given_up(attempt):
-                return attempt.why
-            raise
+            failure = _given_up(attempt)
+            if failure is None:
+                raise
+            return failure
         attempt.close = upstream.close
         try:
             if upstream.status in RETRYABLE_STATUS:
-                return f"engine answered {upstream.status}"
+                return EngineFailure.engine_answered(upstream.status)
             if not parsed.stream or upstream.status != 200:
                 body = await self._read_whole(lambda limit: _read_limited(upstream, limit))
                 resp = web.Response(
@@ -381,7 +424,7 @@ class Relay:
                 return resp
             return await self._stream(request, upstream, parsed, started)
         except (TimeoutError, aiohttp.ClientError) as exc:
-            return attempt.why or f"{type(exc).__name__}"
+            return attempt.given_up or EngineFailure.of_client_error(exc)
         finally:
             if upstream.content.at_eof():
                 upstream.release()  # keep the connection for the next request
@@ -398,24 +441,25 @@ class Relay:
         raw: bytes,
         parsed: ParsedRequest,
         started: float,
-    ) -> web.StreamResponse | str:
+    ) -> web.StreamResponse | EngineFailure:
         """A streamed request, relayed by splice.py: the engine's chunks go to the
         client's socket as they arrive, without a task step per chunk."""
         pool = self.gw.upstreams
         try:
             conn = await pool.acquire(address)
         except UpstreamError as exc:
-            return str(exc)
+            return EngineFailure.of_upstream(exc)
         except asyncio.CancelledError:
-            if _given_up(attempt):
-                return attempt.why
-            raise
+            failure = _given_up(attempt)
+            if failure is None:
+                raise
+            return failure
         attempt.close = lambda: conn.abort(attempt.why)
         resp: web.StreamResponse | None = None
         try:
             head = await conn.send(request_bytes(path, address.host, headers, raw))
             if head.status in RETRYABLE_STATUS:
-                return f"engine answered {head.status}"
+                return EngineFailure.engine_answered(head.status)
             if head.status != 200 or not head.chunked:
                 body = await self._read_whole(conn.read_body)
                 self.gw.metrics.ttft.labels(parsed.route).observe(time.monotonic() - started)
@@ -439,7 +483,7 @@ class Relay:
             await conn.wait_spliced()
         except UpstreamError as exc:
             if resp is None:
-                return attempt.why or str(exc)
+                return attempt.given_up or EngineFailure.of_upstream(exc)
             transport = request.transport
             if transport is None or transport.is_closing():
                 request["status"] = 499  # the client went away: nothing to tell it

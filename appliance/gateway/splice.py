@@ -45,7 +45,16 @@ DRAIN_POLL_S = 0.02
 
 
 class UpstreamError(Exception):
-    """The engine connection failed or spoke bad HTTP; ``str()`` says how."""
+    """The engine connection failed or spoke bad HTTP; ``str()`` says how.
+
+    ``timed_out`` is set where it is raised, when the engine did not answer in time (a
+    connect that timed out, a connection lost to ETIMEDOUT): the relay answers 504 for
+    those and 502 for every other failure, from this flag, never from the message.
+    """
+
+    def __init__(self, message: str, *, timed_out: bool = False) -> None:
+        super().__init__(message)
+        self.timed_out = timed_out
 
 
 class AnswerTooLarge(UpstreamError):
@@ -205,7 +214,8 @@ class UpstreamConnection(asyncio.Protocol):
             why = "the engine closed the connection"
             if exc is not None:
                 why = f"the engine connection failed ({type(exc).__name__})"
-            self._fail(UpstreamError(why))
+            # The kernel gave up on an unanswered engine (ETIMEDOUT): a timeout, not a refusal.
+            self._fail(UpstreamError(why, timed_out=isinstance(exc, TimeoutError)))
 
     def data_received(self, data: bytes) -> None:
         # The hot path, a stream under way: whole chunks go out as they came.
@@ -459,8 +469,7 @@ class UpstreamPool:
             )
             conn = cast(UpstreamConnection, protocol)
         except TimeoutError:
-            # "timeout" in the reason is what makes the relay answer 504 rather than 502.
-            raise UpstreamError("timeout connecting to the engine") from None
+            raise UpstreamError("timeout connecting to the engine", timed_out=True) from None
         except OSError as exc:
             raise UpstreamError(f"cannot connect to the engine ({type(exc).__name__})") from None
         return conn
