@@ -70,7 +70,7 @@ def _status(record: KeyRecord, now: float) -> str:
 def cmd_create(args: argparse.Namespace) -> int:
     store = _store(args)
     try:
-        # Every field is checked by keys.py's validators (as for POST /admin/keys), so a
+        # Every field is checked by keys/fields.py (as for POST /admin/keys), so a
         # bad value gets one line naming the field and exit 2, not argparse's own words.
         record, key = store.create(
             name=args.name,
@@ -166,7 +166,7 @@ def add_parser(
         description="Create a key; it is printed once, alone on the first line of stdout.",
     )
     p.add_argument("--name", required=True, help="who or what the key is for (<= 64 chars)")
-    # No argparse `type`/`choices` here: keys.py validates every field (one message per
+    # No argparse `type`/`choices` here: keys/fields.py validates every field (one message per
     # field, shared with the admin API); the metavars show what is allowed.
     p.add_argument(
         "--scope",

@@ -424,7 +424,7 @@ def test_a_failed_write_leaves_the_old_file_and_no_temp(
     def boom(src: Any, dst: Any) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("appliance.gateway.keys.store.os.replace", boom)
+    monkeypatch.setattr("appliance.fsutil.os.replace", boom)
     with pytest.raises(KeysFileError, match="No space left"):
         store.create(name="b")
     assert keys_path.read_bytes() == before
@@ -441,7 +441,7 @@ def test_temp_file_is_created_0600_exclusively(
         seen.append((str(path), flags, mode))
         return real_open(path, flags, mode, **kw)
 
-    monkeypatch.setattr("appliance.gateway.keys.store.os.open", spy)
+    monkeypatch.setattr("appliance.fsutil.os.open", spy)
     store.create(name="a")
     temps = [(f, m) for p, f, m in seen if p.endswith(".tmp")]
     assert temps

@@ -1,0 +1,167 @@
+"""The fields of a key: what each may hold, checked in one place with one message.
+
+One validator per field, used by `keys create`, POST /admin/keys, DELETE /admin/keys/{id},
+`keys revoke` and the keys file parser alike, so a field is refused in one place with one
+message: a :class:`KeySpecError` naming the field (``param`` in an API error). The maxima
+keep every stored value a finite JSON number that the rate limiter and the expiry
+arithmetic can hold (10**400 rpm or 1e304 days would not be).
+
+The fields only a file holds (the stored id, ``key_hash``, the times) have their
+validator here too, so a hand-edited file is held to the same bounds, with the same
+words. The scopes a key may have, and the scope each HTTP path needs, live here as well.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import re
+from typing import Literal, get_args
+
+from appliance.gateway.keys.errors import KeySpecError
+
+SCOPES = frozenset({"user", "metrics", "admin"})
+DEFAULT_SCOPES = ("user",)
+Priority = Literal["interactive", "batch"]
+PRIORITIES: tuple[str, ...] = get_args(Priority)
+
+MAX_NAME_LEN = 64
+MAX_RPM = 1_000_000  # requests per minute: far beyond what one box serves
+MAX_TPM = 1_000_000_000  # tokens per minute: likewise
+MAX_EXPIRES_DAYS = 36_500  # 100 years: a key that should outlive that needs no expiry
+_LIMIT_MAXIMA = {"rpm": MAX_RPM, "tpm": MAX_TPM}
+_SHOWN_MAX = 40
+_ID_RE = re.compile(r"[0-9a-f]{8}")
+_ID_INPUT_RE = re.compile(r"[0-9A-Fa-f]{8}")  # explicit ranges: never Unicode digits
+_HASH_RE = re.compile(r"[0-9a-f]{64}")
+
+
+def required_scope(path: str) -> str | None:
+    """The scope an HTTP path needs: /v1 -> user, /metrics -> metrics, /admin -> admin."""
+    if path == "/v1" or path.startswith("/v1/"):
+        return "user"
+    if path == "/metrics":
+        return "metrics"
+    if path == "/admin" or path.startswith("/admin/"):
+        return "admin"
+    return None
+
+
+def _show(value: object) -> str:
+    """A bad value for a message, cut short: a refusal stays one short line."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int with more digits than Python will print
+        return "a number with thousands of digits"
+    return text if len(text) <= _SHOWN_MAX else text[: _SHOWN_MAX - 3] + "..."
+
+
+# --- fields a user gives -----------------------------------------------------------------
+
+
+def validate_name(name: object) -> str:
+    if not isinstance(name, str) or not name.strip():
+        raise KeySpecError("name", "must be a non-empty string")
+    name = name.strip()
+    if len(name) > MAX_NAME_LEN:
+        raise KeySpecError("name", f"must be at most {MAX_NAME_LEN} characters, got {len(name)}")
+    if any(not ch.isprintable() for ch in name):
+        raise KeySpecError("name", "must not contain control characters")
+    return name
+
+
+def validate_scopes(scopes: object) -> frozenset[str]:
+    """A list of scopes (a lone string counts as one); None: the default."""
+    allowed = ", ".join(sorted(SCOPES))
+    if scopes is None:
+        return frozenset(DEFAULT_SCOPES)
+    if isinstance(scopes, str):
+        scopes = [scopes]
+    if not isinstance(scopes, (list, tuple)):
+        raise KeySpecError(
+            "scopes", f"must be a list of scopes ({allowed}), got {type(scopes).__name__}"
+        )
+    bad = [s for s in scopes if not isinstance(s, str) or s not in SCOPES]
+    if bad:
+        shown = ", ".join(_show(s) for s in bad[:3]) + (", ..." if len(bad) > 3 else "")
+        raise KeySpecError("scopes", f"unknown scope(s) {shown}; allowed: {allowed}")
+    if not scopes:
+        raise KeySpecError("scopes", f"at least one scope is needed: {allowed}")
+    return frozenset(scopes)
+
+
+def validate_limit(field_name: str, value: object) -> int | None:
+    """rpm or tpm: a whole number from 1 to its maximum, or None (no limit)."""
+    maximum = _LIMIT_MAXIMA[field_name]
+    if value is None:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= maximum:
+        return value
+    raise KeySpecError(
+        field_name,
+        f"must be a whole number from 1 to {maximum}, or unset for no limit; got {_show(value)}",
+    )
+
+
+def validate_priority(value: object) -> Priority:
+    if value is None or value == "interactive":
+        return "interactive"
+    if value == "batch":
+        return "batch"
+    raise KeySpecError("priority", f"must be one of {', '.join(PRIORITIES)}, got {_show(value)}")
+
+
+def validate_expires_days(value: object) -> float | None:
+    """Days until the key expires: above 0, at most MAX_EXPIRES_DAYS; None: never."""
+    if value is None:
+        return None
+    # Compared before any float(): a huge int would overflow it; NaN fails both bounds.
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not 0 < value <= MAX_EXPIRES_DAYS
+    ):
+        raise KeySpecError(
+            "expires_days",
+            f"must be a number of days above 0 and at most {MAX_EXPIRES_DAYS}, or unset "
+            f"for never; got {_show(value)}",
+        )
+    return float(value)
+
+
+def validate_key_id(value: object) -> str:
+    """A key's public id as `keys list` shows it (8 hex characters; ASCII only, case and
+    surrounding spaces forgiven), in its stored lower-case form."""
+    text = value.strip() if isinstance(value, str) else None
+    if text is None or not _ID_INPUT_RE.fullmatch(text):
+        raise KeySpecError(
+            "id", f"must be a key id: 8 hex characters as `keys list` shows; got {_show(value)}"
+        )
+    return text.lower()
+
+
+# --- fields only the keys file holds -----------------------------------------------------
+
+
+def validate_stored_id(value: object) -> str:
+    """A key id as the file stores it: exactly 8 lower-case hex characters."""
+    if not isinstance(value, str) or not _ID_RE.fullmatch(value):
+        raise KeySpecError("id", f"must be 8 lower-case hex characters, got {_show(value)}")
+    return value
+
+
+def validate_stored_time(field_name: str, value: object) -> float:
+    """A Unix time from the file (created_at, expires_at): a finite number."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        with contextlib.suppress(OverflowError):  # an int too large for a float
+            number = float(value)
+            if math.isfinite(number):
+                return number
+    raise KeySpecError(field_name, f"must be a number (Unix time), got {_show(value)}")
+
+
+def validate_key_hash(value: object) -> str:
+    """The stored sha256 of a key: 64 lower-case hex characters."""
+    if not isinstance(value, str) or not _HASH_RE.fullmatch(value):
+        raise KeySpecError("key_hash", "must be 64 lower-case hex characters (sha256)")
+    return value
