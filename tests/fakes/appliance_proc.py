@@ -212,7 +212,26 @@ class Appliance:
         return self.log_path.read_text(errors="replace")
 
     def wait_ready(self, timeout: float = 30.0) -> None:
+        """/readyz is 200: *some* engine admits work (the contract's meaning). With more
+        than one engine the others may still be STARTING: see :meth:`wait_all_ready`."""
         self.wait_for(lambda: get_json(self.url + "/readyz")[0] == 200, timeout, "readyz 200")
+
+    def wait_all_ready(self, timeout: float = 30.0) -> None:
+        """/readyz is 200 and lists every engine as READY.
+
+        Engines start side by side, each pinned to its own cores: on a busy machine the
+        one sharing a core with other work can be READY seconds after the first, so a
+        test that touches every engine must wait for all of them, not for /readyz alone.
+        """
+        n = int(self.config["engine"].get("cpu_engines", 1))
+
+        def all_ready() -> bool:
+            code, body = get_json(self.url + "/readyz")
+            return (
+                code == 200 and isinstance(body, dict) and body.get("engines_ready") == [*range(n)]
+            )
+
+        self.wait_for(all_ready, timeout, f"readyz 200 with all {n} engine(s) READY")
 
     def wait_for(self, cond: Any, timeout: float, what: str) -> None:
         deadline = time.monotonic() + timeout

@@ -47,7 +47,8 @@ def test_metrics_pass_promtool_and_name_the_contract_series(tmp_path: Path) -> N
         tmp_path, 2, telemetry={"source": f"file:{sensors}", "interval_s": 0.1}
     )
     with run_appliance(tmp_path, cfg) as app:
-        app.wait_ready()
+        # /readyz turns 200 with the first READY engine; engine 0's state is checked below.
+        app.wait_all_ready()
         key = (tmp_path / "admin.key").read_text().strip()
         client = openai.OpenAI(base_url=app.url + "/v1", api_key=key, max_retries=0)
         client.completions.create(model=MODEL, prompt="hi", max_tokens=3)
@@ -57,7 +58,16 @@ def test_metrics_pass_promtool_and_name_the_contract_series(tmp_path: Path) -> N
         req = urllib.request.Request(
             app.url + "/metrics", headers={"Authorization": f"Bearer {key}"}
         )
-        text = urllib.request.urlopen(req, timeout=5).read().decode()
+        scrapes: list[str] = []
+
+        def engine0_ready_in_scrape() -> bool:
+            # A health check that fails under load takes engine 0 to SUSPECT until its
+            # next good one: the series must show READY once the engine is READY again.
+            scrapes.append(urllib.request.urlopen(req, timeout=5).read().decode())
+            return 'appliance_engine_state{engine="0",state="READY"} 1.0' in scrapes[-1]
+
+        app.wait_for(engine0_ready_in_scrape, 10, "engine 0 READY in the scrape")
+        text = scrapes[-1]
     check = subprocess.run(
         [promtool, "check", "metrics"], input=text, capture_output=True, text=True
     )
