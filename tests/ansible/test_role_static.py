@@ -182,6 +182,11 @@ def test_defaults_pass_the_variable_checks(tmp_path: Path) -> None:
             ["llm_appliance_engine_gpus = [0, 0]: must be"],
             id="duplicate-gpus",
         ),
+        pytest.param(
+            {"llm_appliance_command_link": "bin/llm-appliance"},
+            ["llm_appliance_command_link = bin/llm-appliance: must be"],
+            id="relative-command-link",
+        ),
     ],
 )
 def test_bad_variables_fail_with_the_variable_named(
@@ -452,3 +457,73 @@ def test_setup_changed_when_matches_what_setup_prints(tmp_path: Path) -> None:
     assert pattern.search(first), first
     assert not pattern.search(second), second
     assert "engine venv: up to date" in second and "model: up to date" in second, second
+
+
+# --- the command on PATH ------------------------------------------------------------------
+def _install_task(name: str) -> dict[str, Any]:
+    tasks = _load("tasks/install.yml")
+    found = [t for t in tasks if t.get("name") == name]
+    assert len(found) == 1, f"tasks/install.yml: no task named {name!r}"
+    return dict(found[0])
+
+
+def test_command_link_puts_the_venvs_command_on_path_and_never_replaces_a_file(
+    tmp_path: Path,
+) -> None:
+    """The role's own link task, run twice against stand-in paths: it links the venv's
+    script (changed), then changes nothing; a file already at the link's path is left
+    as it was and the play fails."""
+    import grp
+    import pwd
+
+    task = _install_task("Link the llm-appliance command onto PATH")
+    # Ownership as the test's own user: the link itself is what is tested here.
+    task["ansible.builtin.file"] = {
+        **task["ansible.builtin.file"],
+        "owner": pwd.getpwuid(os.getuid()).pw_name,
+        "group": grp.getgrgid(os.getgid()).gr_name,
+    }
+    cli = tmp_path / "opt" / "venv" / "bin" / "llm-appliance"
+    cli.parent.mkdir(parents=True)
+    cli.write_text("#!/bin/sh\n", encoding="utf-8")
+    (tmp_path / "usr-local-bin").mkdir()
+    link = tmp_path / "usr-local-bin" / "llm-appliance"
+    play = _write_playbook(
+        tmp_path / "link.yml",
+        [
+            {
+                "name": "Link the command",
+                "hosts": "localhost",
+                "connection": "local",
+                "gather_facts": False,
+                "vars": {"llm_appliance__cli": str(cli), "llm_appliance_command_link": str(link)},
+                "tasks": [task],
+            }
+        ],
+    )
+    assert ANSIBLE_PLAYBOOK is not None
+    argv = [
+        ANSIBLE_PLAYBOOK,
+        "-i",
+        "localhost,",
+        str(play),
+        "-e",
+        json.dumps({"ansible_python_interpreter": sys.executable}),
+    ]
+
+    def converge() -> str:
+        proc = _run(argv, tmp_path, tmp_path)
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 0, out
+        return out
+
+    assert re.search(r"localhost\s*:\s*ok=1\s+changed=1\s", converge())
+    assert link.is_symlink() and os.readlink(link) == str(cli)
+    assert re.search(r"localhost\s*:\s*ok=1\s+changed=0\s", converge())
+
+    link.unlink()
+    link.write_text("someone else's command\n", encoding="utf-8")
+    proc = _run(argv, tmp_path, tmp_path)
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    assert not link.is_symlink()
+    assert link.read_text(encoding="utf-8") == "someone else's command\n"
