@@ -59,9 +59,15 @@ def _f(
     lo: float | None = None,
     hi: float | None = None,
     lo_open: bool = False,
+    live: bool = False,
 ) -> Any:
-    """A config field: its default, the sentence that documents it, and numeric bounds."""
-    meta = {"doc": doc, "lo": lo, "hi": hi, "lo_open": lo_open}
+    """A config field: its default, the sentence that documents it, numeric bounds, and
+    ``live``: a SIGHUP puts a new value in force in the running daemon.
+
+    Mark a field live only when every use of it reads the running config at the time of
+    use (never a copy made at start-up): tests/unit/test_live_keys.py checks each one.
+    """
+    meta = {"doc": doc, "lo": lo, "hi": hi, "lo_open": lo_open, "live": live}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -91,6 +97,7 @@ class GatewayConfig:
         "`max_tokens` (or with null) is sent to the engine with this value, never "
         "more than the context leaves.",
         lo=1,
+        live=True,
     )
     max_n: int = _f(
         16,
@@ -98,6 +105,7 @@ class GatewayConfig:
         "Each answer is counted in the request's token cost.",
         lo=1,
         hi=16384,
+        live=True,
     )
     max_best_of: int = _f(
         16,
@@ -105,6 +113,7 @@ class GatewayConfig:
         "(vLLM 0.32 ignores it, other engines generate that many sequences).",
         lo=1,
         hi=16384,
+        live=True,
     )
     max_prompts: int = _f(
         2048,
@@ -112,6 +121,7 @@ class GatewayConfig:
         "(`/v1/embeddings` `input`) one request may carry; longer gets 400. Every "
         "prompt is counted in the request's token cost.",
         lo=1,
+        live=True,
     )
     max_answer_bytes: int = _f(
         33554432,
@@ -120,12 +130,20 @@ class GatewayConfig:
         "longest plain-text answer the other limits allow many times over, and a "
         "full batch of float embeddings of a small model.",
         lo=65536,
+        live=True,
     )
     max_queue: int = _f(
-        256, "Requests waiting for an engine beyond this get 503 with Retry-After.", lo=0
+        256,
+        "Requests waiting for an engine beyond this get 503 with Retry-After.",
+        lo=0,
+        live=True,
     )
     queue_timeout_s: float = _f(
-        30.0, "Longest a request waits in the queue before 503.", lo=0, lo_open=True
+        30.0,
+        "Longest a request waits in the queue before 503.",
+        lo=0,
+        lo_open=True,
+        live=True,
     )
     queue_aging_s: float = _f(
         10.0,
@@ -133,11 +151,13 @@ class GatewayConfig:
         "behind it go first, for at most this long; after that nobody passes it, so "
         "it is not starved. 0 = strict arrival order.",
         lo=0,
+        live=True,
     )
     metrics_public: bool = _f(
         False,
         "false: /metrics needs a key with scope `metrics` or "
         "`admin`; true: anyone who can reach the gateway may read it.",
+        live=True,
     )
     max_connections: int = _f(
         1024,
@@ -219,12 +239,14 @@ class EngineConfig:
         "Requests admitted to one engine at once; more wait in the "
         "gateway's queue. The thermal governor lowers it on a hot GPU.",
         lo=1,
+        live=True,
     )
     max_inflight_tokens: int = _f(
         131072,
         "Tokens admitted to one engine at once (each request counts its prompt estimate "
         "plus max_tokens); the thermal governor lowers it with max_inflight.",
         lo=1,
+        live=True,
     )
     extra_args: list[str] = _f([], "Appended to the vLLM command line.")
     env: dict[str, str] = _f({}, "Added to each engine's environment.")
@@ -236,11 +258,14 @@ class EngineConfig:
         "(VLLM_API_KEY); {api_key} also works but puts it on a command line that "
         "every local user can read (check-config warns).",
     )
-    startup_timeout_s: float = _f(900.0, "Longest an engine may take to become ready.", lo=1)
+    startup_timeout_s: float = _f(
+        900.0, "Longest an engine may take to become ready.", lo=1, live=True
+    )
     stop_timeout_s: float = _f(
         20.0,
         "After SIGTERM, how long an engine's process tree may take to exit before SIGKILL.",
         lo=0.1,
+        live=True,
     )
     cpu_kvcache_space_gib: float = _f(
         1.0,
@@ -257,17 +282,27 @@ class TelemetryConfig:
         "`nvml`, `none`, or `file:/path/sensors.json` (re-read every "
         "interval; stands in for NVML without hardware).",
     )
-    interval_s: float = _f(1.0, "How often GPUs are read.", lo=0.05, hi=3600)
+    interval_s: float = _f(1.0, "How often GPUs are read.", lo=0.05, hi=3600, live=True)
 
 
 @dataclass(frozen=True)
 class ThermalConfig:
     soft_limit_c: float = _f(
-        80.0, "Above this a GPU is admitted less work, step by step.", lo=20, hi=120
+        80.0,
+        "Above this a GPU is admitted less work, step by step.",
+        lo=20,
+        hi=120,
+        live=True,
     )
-    hard_limit_c: float = _f(87.0, "At or above this a GPU is admitted nothing new.", lo=20, hi=130)
+    hard_limit_c: float = _f(
+        87.0, "At or above this a GPU is admitted nothing new.", lo=20, hi=130, live=True
+    )
     hysteresis_c: float = _f(
-        5.0, "A throttle level drops only below its limit minus this.", lo=0, hi=30
+        5.0,
+        "A throttle level drops only below its limit minus this.",
+        lo=0,
+        hi=30,
+        live=True,
     )
     heat_restart_after_s: float = _f(
         0.0,
@@ -277,24 +312,27 @@ class ThermalConfig:
         "cannot cool at full batch (poor airflow, hot room); otherwise the admission "
         "throttle alone is cheaper than a restart.",
         lo=0,
+        live=True,
     )
     heat_restore_after_s: float = _f(
         900.0,
         "How long a GPU with a heat-reduced engine must stay cool before the full "
         "batch size is restored.",
         lo=1,
+        live=True,
     )
 
 
 @dataclass(frozen=True)
 class HealthConfig:
-    interval_s: float = _f(2.0, "How often each engine is checked.", lo=0.05, hi=3600)
+    interval_s: float = _f(2.0, "How often each engine is checked.", lo=0.05, hi=3600, live=True)
     probe_timeout_s: float = _f(
         10.0,
         "A real 1-token completion must answer within this (`/health` and `/metrics` "
         "get at most 5 s of it: they do no inference).",
         lo=0.05,
         hi=3600,
+        live=True,
     )
     failures_to_restart: int = _f(
         3,
@@ -302,20 +340,25 @@ class HealthConfig:
         "before an engine counts as hung and is replaced.",
         lo=1,
         hi=100,
+        live=True,
     )
 
 
 @dataclass(frozen=True)
 class RestartConfig:
     backoff_initial_s: float = _f(
-        2.0, "Wait before the first restart after a failure; doubles per consecutive failure.", lo=0
+        2.0,
+        "Wait before the first restart after a failure; doubles per consecutive failure.",
+        lo=0,
+        live=True,
     )
-    backoff_max_s: float = _f(300.0, "Longest wait between restarts.", lo=0)
+    backoff_max_s: float = _f(300.0, "Longest wait between restarts.", lo=0, live=True)
     max_restarts_per_hour: int = _f(
         6,
         "More unplanned restarts (crash, hung, startup_timeout) than this within an hour "
         "leave the engine FAILED.",
         lo=0,
+        live=True,
     )
     max_planned_restarts_per_hour: int = _f(
         6,
@@ -323,28 +366,42 @@ class RestartConfig:
         "from crashes: past it the engine keeps serving as it is (logged) instead of being "
         "restarted again. Admin restarts are never refused by it.",
         lo=0,
+        live=True,
     )
     drain_timeout_s: float = _f(
-        120.0, "Longest wait for in-flight work before a restart or shutdown goes ahead.", lo=0
+        120.0,
+        "Longest wait for in-flight work before a restart or shutdown goes ahead.",
+        lo=0,
+        live=True,
     )
     degradation_restart: bool = _f(
-        True, "Drain and restart engines the degradation detector flags."
+        True,
+        "Drain and restart engines the degradation detector flags.",
+        live=True,
     )
 
 
 @dataclass(frozen=True)
 class DegradationConfig:
     window_s: float = _f(
-        60.0, "Window of engine samples the degradation detector judges.", lo=1, hi=3600
+        60.0,
+        "Window of engine samples the degradation detector judges.",
+        lo=1,
+        hi=3600,
+        live=True,
     )
     max_preemptions_per_min: float = _f(
         30.0,
         "More vLLM preemptions per minute than this over the window: preemption storm.",
         lo=0,
         lo_open=True,
+        live=True,
     )
     hang_s: float = _f(
-        30.0, "Work present but no token generated for this long: hang. At most window_s.", lo=1
+        30.0,
+        "Work present but no token generated for this long: hang. At most window_s.",
+        lo=1,
+        live=True,
     )
     leak_kv_usage: float = _f(
         0.9,
@@ -353,9 +410,13 @@ class DegradationConfig:
         lo=0,
         hi=1,
         lo_open=True,
+        live=True,
     )
     leak_hold_s: float = _f(
-        30.0, "How long the KV-leak condition must hold. At most window_s.", lo=1
+        30.0,
+        "How long the KV-leak condition must hold. At most window_s.",
+        lo=1,
+        live=True,
     )
     slowdown_ratio: float = _f(
         0.35,
@@ -364,6 +425,7 @@ class DegradationConfig:
         lo=0,
         hi=1,
         lo_open=True,
+        live=True,
     )
     rss_growth_ratio: float = _f(
         1.5,
@@ -371,9 +433,13 @@ class DegradationConfig:
         "baseline for the whole window: memory growth.",
         lo=1,
         lo_open=True,
+        live=True,
     )
     baseline_warmup_s: float = _f(
-        60.0, "Seconds after an engine is ready before its baseline is learned.", lo=0
+        60.0,
+        "Seconds after an engine is ready before its baseline is learned.",
+        lo=0,
+        live=True,
     )
 
 
@@ -412,6 +478,14 @@ SECTIONS: dict[str, type[Any]] = {
     "restart": RestartConfig,
     "degradation": DegradationConfig,
 }
+
+# "section.key" of every field marked live: what a reload (SIGHUP) applies in place.
+LIVE_KEYS: frozenset[str] = frozenset(
+    f"{name}.{f.name}"
+    for name, cls in SECTIONS.items()
+    for f in dataclasses.fields(cls)
+    if f.metadata["live"]
+)
 
 
 def _show(value: Any) -> str:
@@ -748,23 +822,25 @@ def config_markdown() -> str:
         "errors: `llm-appliance check-config` names each one (key, value, what is allowed) "
         "and exits 2.",
         "",
-        "Keys marked *live* change on `systemctl reload llm-appliance` (SIGHUP); the others "
-        "are logged as needing a restart.",
+        "The *live* column says what puts a changed key in force. **yes**: "
+        "`systemctl reload llm-appliance` (SIGHUP) applies it while the engines keep "
+        "running, from its next use on (a start, drain or queue wait already under way may "
+        "finish with the limit it began with). **no, restart**: only `systemctl restart "
+        "llm-appliance` does; a reload leaves it as it was and logs that it needs a "
+        "restart.",
         "",
     ]
-    from appliance.reload import LIVE_KEYS  # late: reload imports this module
-
     for name, cls in SECTIONS.items():
         lines += [
             f"## [{name}]",
             "",
-            "| key | default | type | live | what it does |",
+            "| key | default | type | live (SIGHUP) | what it does |",
             "|---|---|---|---|---|",
         ]
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
-            live = "yes" if f"{name}.{f.name}" in LIVE_KEYS else ""
+            live = "yes" if f.metadata["live"] else "no, restart"
             doc = f.metadata["doc"].replace("|", "\\|")
             lines.append(
                 f"| `{f.name}` | `{_toml_value(default)}` | {_describe(hints[f.name])} "

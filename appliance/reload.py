@@ -2,7 +2,8 @@
 
 Engines keep running across a reload, so anything baked into an engine's command line or
 the listening socket needs a restart; admission limits, policies and timers are read
-from the current config on every use, so they change live.
+from the current config on every use, so they change live. Which keys are live is said
+on each field (``live=True`` in :mod:`appliance.config`); ``LIVE_KEYS`` is derived there.
 """
 
 from __future__ import annotations
@@ -10,42 +11,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from appliance.config import SECTIONS, Config
+from appliance.config import LIVE_KEYS, SECTIONS, Config
 
-LIVE_KEYS: frozenset[str] = frozenset(
-    {
-        "gateway.max_tokens_cap",
-        "gateway.max_queue",
-        "gateway.queue_timeout_s",
-        "gateway.metrics_public",
-        "engine.max_inflight",
-        "engine.startup_timeout_s",
-        "engine.stop_timeout_s",
-        "telemetry.interval_s",
-        "thermal.soft_limit_c",
-        "thermal.hard_limit_c",
-        "thermal.hysteresis_c",
-        "thermal.heat_restart_after_s",
-        "thermal.heat_restore_after_s",
-        "health.interval_s",
-        "health.probe_timeout_s",
-        "health.failures_to_restart",
-        "restart.backoff_initial_s",
-        "restart.backoff_max_s",
-        "restart.max_restarts_per_hour",
-        "restart.max_planned_restarts_per_hour",
-        "restart.drain_timeout_s",
-        "restart.degradation_restart",
-        "degradation.window_s",
-        "degradation.max_preemptions_per_min",
-        "degradation.hang_s",
-        "degradation.leak_kv_usage",
-        "degradation.leak_hold_s",
-        "degradation.slowdown_ratio",
-        "degradation.rss_growth_ratio",
-        "degradation.baseline_warmup_s",
-    }
-)
+__all__ = ["LIVE_KEYS", "changed_keys", "merge_live"]
 
 
 def changed_keys(old: Config, new: Config) -> list[str]:

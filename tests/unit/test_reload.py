@@ -4,23 +4,31 @@ from __future__ import annotations
 
 import dataclasses
 import typing
+from pathlib import Path
 from typing import Any, get_args, get_origin
 
 import pytest
 
+from appliance import config
 from appliance.config import SECTIONS, Config, parse_config
 from appliance.reload import LIVE_KEYS, changed_keys, merge_live
 
 ALL_KEYS = [f"{name}.{f.name}" for name, cls in SECTIONS.items() for f in dataclasses.fields(cls)]
 
-# Baked into an engine's command line, environment or the listening socket: a reload
-# cannot change these without restarting something.
+# Baked into an engine's command line, environment or the listening socket, or read
+# once when the gateway starts (its keys file, its body limit, its connection limits and
+# timers): a reload cannot change these without restarting something.
 MUST_NEED_RESTART = {
     "gateway.host",
     "gateway.port",
     "gateway.allow_lan",
     "gateway.tls_cert",
     "gateway.tls_key",
+    "gateway.keys_file",
+    "gateway.max_body_bytes",
+    "gateway.max_connections",
+    "gateway.header_timeout_s",
+    "gateway.body_timeout_s",
     "engine.python",
     "engine.model",
     "engine.served_model_name",
@@ -76,6 +84,19 @@ def with_change(cfg: Config, key: str) -> tuple[Config, Any]:
 def value_of(cfg: Config, key: str) -> Any:
     section, name = key.split(".")
     return getattr(getattr(cfg, section), name)
+
+
+def test_live_keys_are_the_fields_marked_live() -> None:
+    """Said once, on the field (``live=True``); reload.py derives nothing of its own and
+    config.py needs nothing from reload.py."""
+    marked = {
+        f"{name}.{f.name}"
+        for name, cls in SECTIONS.items()
+        for f in dataclasses.fields(cls)
+        if f.metadata["live"]
+    }
+    assert marked == LIVE_KEYS
+    assert "appliance.reload" not in Path(config.__file__).read_text(encoding="utf-8")
 
 
 def test_live_keys_name_real_keys() -> None:
