@@ -4,7 +4,9 @@
 One daemon for the module, configured tight so each refusal is easy to provoke: two
 fake engines admitting one request each, a queue of one with a 0.5 s timeout, a 2 KiB
 body limit and ``max_tokens_cap = 100``. Health checks are lenient so an engine told to
-fail requests stays READY (that is what the 502 test needs).
+fail requests stays READY (that is what the 502 test needs): with one check every ten
+minutes none runs during the module, and a failed one would take the engine out of
+routing (SUSPECT) at once.
 """
 
 from __future__ import annotations
@@ -144,7 +146,7 @@ def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gw]:
             "metrics_public": False,
         },
         engine={"max_inflight": 1},
-        health={"interval_s": 2.0, "failures_to_restart": 100},
+        health={"interval_s": 600, "failures_to_restart": 100},
     )
     with run_appliance(tmp, cfg) as app:
         app.wait_ready()

@@ -412,6 +412,9 @@ def check_answer(
             assert not (isinstance(doc, dict) and ({"engines", "keys"} & set(doc))), where
 
 
+# 10,000 requests take ~70 s on an idle 2-core box and over 300 s (the suite's hang
+# guard) when other work holds most of the CPU: the budget is in examples, not seconds.
+@pytest.mark.timeout(900)
 def test_fuzzed_requests_never_get_a_5xx_of_the_gateway_own(fz: Fuzz) -> None:
     started = time.monotonic()
 
@@ -444,13 +447,25 @@ def test_fuzzed_requests_never_get_a_5xx_of_the_gateway_own(fz: Fuzz) -> None:
     # The generator is not just producing junk: plenty of requests went all the way
     # through to an engine and back.
     assert fz.engine_ok >= 50, fz.statuses
-    # Still alive and well, and nothing leaked.
+    # Still alive and well, and nothing leaked: a leak stays, while a health check that
+    # failed under the fuzz load makes an engine SUSPECT only until its next good one.
     assert get_json(fz.app.url + "/healthz")[0] == 200
-    assert get_json(fz.app.url + "/readyz")[0] == 200
-    doc = _status_doc(fz)
-    assert [e["state"] for e in doc["engines"]] == ["READY", "READY"]
-    assert doc["queue_depth"] == 0
-    assert all(e["inflight"] == 0 and e["inflight_tokens"] == 0 for e in doc["engines"]), doc
+    docs: list[dict[str, Any]] = []
+
+    def settled() -> bool:
+        docs.append(_status_doc(fz))
+        doc = docs[-1]
+        return (
+            [e["state"] for e in doc["engines"]] == ["READY", "READY"]
+            and doc["queue_depth"] == 0
+            and all(e["inflight"] == 0 and e["inflight_tokens"] == 0 for e in doc["engines"])
+            and get_json(fz.app.url + "/readyz")[0] == 200
+        )
+
+    try:
+        fz.app.wait_for(settled, 10, "both engines READY and idle")
+    except AssertionError as exc:
+        raise AssertionError(f"last /admin/status: {docs[-1]}\n{exc}") from None
     log = fz.app.log()
     assert fz.app.proc.poll() is None
     assert "unexpected error on" not in log, log[-3000:]

@@ -222,11 +222,15 @@ def test_corrupt_keys_file_keeps_the_last_good_keys(d: Daemon) -> None:
         assert not KEY_RE.search(bad.stdout)
         code, body = d.call("POST", "/admin/keys", d.admin, {"name": "x"})
         assert code == 503 and body["error"]["code"] == "keys_file_error", body
-        # SIGHUP with the bad file: same, and the daemon keeps running.
+        # SIGHUP with the bad file: same, and the daemon keeps running. The reload runs
+        # in one step of the daemon's loop: once it is logged, the next answer is after it.
+        hups = d.app.log().count("SIGHUP: reloading")
         d.app.signal(signal.SIGHUP)
-        time.sleep(0.3)
-        assert d.app.proc.poll() is None
+        d.app.wait_for(
+            lambda: d.app.log().count("SIGHUP: reloading") > hups, 5, "the SIGHUP handled"
+        )
         assert d.status_of(user) == 200
+        assert d.app.proc.poll() is None
     finally:
         d.keys_path.write_bytes(good)
     fresh, _ = d.create("--name", "after repair")
@@ -242,7 +246,11 @@ def test_sighup_reloads_at_once(d: Daemon) -> None:
     assert code == 201, body
     key, key_id = body["key"], body["id"]
     assert d.status_of(key) == 200
-    time.sleep(1.1)  # let the watcher (1 s polls) settle on the file as it is now
+    # The watcher's baseline must be the file as it is now (the API just rewrote it): a
+    # SIGHUP re-reads it and takes its stat, with no race against the 1 s poll.
+    reloads = d.app.log().count(" reloaded: ")
+    d.app.signal(signal.SIGHUP)
+    d.app.wait_for(lambda: d.app.log().count(" reloaded: ") > reloads, 5, "keys re-read")
     st = d.keys_path.stat()
     data = d.keys_path.read_bytes()
     old_hash = hash_key(key).encode()

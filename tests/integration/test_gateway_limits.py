@@ -104,7 +104,7 @@ def daemon(tmp: Path, engines: int = 1, **sections: dict[str, Any]) -> Iterator[
         tmp, engines, health={"interval_s": 2.0, "failures_to_restart": 100}, **sections
     )
     with run_appliance(tmp, cfg) as app:
-        app.wait_ready()
+        app.wait_all_ready()  # each engine takes its knob below
         key = (tmp / "admin.key").read_text().strip()
         c = Client(app, key, "")
         conn = http.client.HTTPConnection("127.0.0.1", c.port, timeout=5)

@@ -32,7 +32,7 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Appliance
         tmp, 2, gateway={"keys_file": str(tmp / "state" / "keys.json"), "max_body_bytes": 4096}
     )
     with run_appliance(tmp, cfg) as app:
-        app.wait_ready()
+        app.wait_all_ready()  # the tests look at both engines
         key = (tmp / "state" / "admin.key").read_text().strip()
         yield app, tmp, key
 
@@ -108,7 +108,13 @@ def test_scopes_are_enforced_per_route(daemon: tuple[Appliance, Path, str]) -> N
             check=True,
         )
         keys[scope] = out.stdout.splitlines()[0].strip()
-    time.sleep(2.5)  # the daemon sees key changes within 2 s
+    # The daemon sees key changes within 2 s (test_gateway_keys times that): here, wait
+    # until both keys are known to it.
+    app.wait_for(
+        lambda: all(call(app.url + "/v1/models", "GET", k)[0] != 401 for k in keys.values()),
+        10,
+        "the new keys in force",
+    )
     for method, path in ROUTES:
         for scope, key in keys.items():
             status, _, body = call(

@@ -34,7 +34,7 @@ pytestmark = pytest.mark.slow
 def test_ready_then_sigterm_leaves_no_engine_process(tmp_path: Path) -> None:
     cfg = fake_engine_config(tmp_path, 2, "--spawn-child")
     with run_appliance(tmp_path, cfg) as app:
-        app.wait_ready()
+        app.wait_all_ready()
         pids = app.remember_tree()
         children = {app.engine_stats(i)["child_pid"] for i in range(2)}  # type: ignore[index]
         assert children <= pids and len(pids) >= 4  # 2 API servers + 2 EngineCores
@@ -48,7 +48,7 @@ def test_ready_then_sigterm_leaves_no_engine_process(tmp_path: Path) -> None:
 def test_sigkill_of_api_server_removes_orphan_and_restarts(tmp_path: Path) -> None:
     cfg = fake_engine_config(tmp_path, 2, "--spawn-child")
     with run_appliance(tmp_path, cfg) as app:
-        app.wait_ready()
+        app.wait_all_ready()
         before = app.engine_stats(0)
         assert before is not None
         api_pid, core_pid = before["pid"], before["child_pid"]
@@ -64,14 +64,14 @@ def test_sigkill_of_api_server_removes_orphan_and_restarts(tmp_path: Path) -> No
         assert "engine0: exited with signal SIGKILL while serving" in app.log()
         # Engine 1 was never touched.
         assert app.engine_stats(1)["pid"] != api_pid  # type: ignore[index]
-        assert get_json(app.url + "/readyz")[0] == 200
+        app.wait_for(lambda: get_json(app.url + "/readyz")[0] == 200, 10, "readyz 200")
 
 
 def test_cpu_engine_trees_are_pinned_to_their_own_cores(tmp_path: Path) -> None:
     """Each CPU engine, and the children it starts, runs only on its share of the cores."""
     cfg = fake_engine_config(tmp_path, 2, "--spawn-child")
     with run_appliance(tmp_path, cfg) as app:
-        app.wait_ready()
+        app.wait_all_ready()
         expect = cpu_core_sets(sorted(os.sched_getaffinity(0)), 2)
         for i in range(2):
             stats = app.engine_stats(i)
@@ -126,7 +126,7 @@ def test_requests_stuck_on_a_frozen_engine_move_at_the_verdict_not_at_the_kill(
 
     cfg = fake_engine_config(tmp_path, 2, "--token-delay-ms", "20", engine={"stop_timeout_s": 120})
     with run_appliance(tmp_path, cfg) as app:
-        app.wait_ready()
+        app.wait_all_ready()
         key = (tmp_path / "admin.key").read_text().strip()
         client = openai.OpenAI(base_url=app.url + "/v1", api_key=key, max_retries=0, timeout=60)
         results: list[str] = []
@@ -229,20 +229,43 @@ def test_notify_messages_in_order_and_children_do_not_inherit_socket(tmp_path: P
             except TimeoutError:
                 return
 
+    def lines() -> list[str]:
+        return [line for m in messages for line in m.split("\n")]
+
+    def drain_until(cond: Any, what: str, timeout: float = 15.0) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            drain()
+            if cond(lines()):
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no {what} from the daemon: {lines()}")
+
     cfg = fake_engine_config(tmp_path, 2, "--startup-delay", "1")
     env = {"NOTIFY_SOCKET": sock_path, "WATCHDOG_USEC": "2000000"}
     try:
         with run_appliance(tmp_path, cfg, env=env) as app:
             env["WATCHDOG_PID"] = str(app.proc.pid)
-            app.wait_ready()
-            time.sleep(1.5)
-            drain()
+            app.wait_all_ready()
+            drain_until(
+                lambda flat: (
+                    "READY=1" in flat
+                    and "WATCHDOG=1" in flat[flat.index("READY=1") :]
+                    and any(m.startswith("STATUS=2/2 engines ready") for m in flat)
+                ),
+                "READY, then a watchdog ping and STATUS=2/2",
+            )
             for i in range(2):
                 engine_env = psutil.Process(app.engine_stats(i)["pid"]).environ()  # type: ignore[index]
                 assert "NOTIFY_SOCKET" not in engine_env
                 assert "WATCHDOG_USEC" not in engine_env
             app.signal(signal.SIGHUP)
-            time.sleep(0.5)
+            drain_until(
+                lambda flat: (
+                    "RELOADING=1" in flat and "READY=1" in flat[flat.index("RELOADING=1") :]
+                ),
+                "RELOADING then READY after SIGHUP",
+            )
             app.signal(signal.SIGTERM)
             assert app.wait_exit() == 0
             drain()
@@ -276,7 +299,7 @@ def test_sighup_keeps_engines_running(tmp_path: Path) -> None:
         app.signal(signal.SIGHUP)
         app.wait_for(lambda: "reload refused" in app.log(), 5, "bad reload refused")
         assert "engine.max_inflight = 0: must be >= 1" in app.log()
-        assert get_json(app.url + "/readyz")[0] == 200
+        app.wait_for(lambda: get_json(app.url + "/readyz")[0] == 200, 10, "readyz 200")
 
 
 def test_second_sigint_stops_at_once(tmp_path: Path) -> None:
@@ -285,7 +308,8 @@ def test_second_sigint_stops_at_once(tmp_path: Path) -> None:
         app.wait_ready()
         pids = app.remember_tree()
         app.signal(signal.SIGINT)
-        time.sleep(0.3)
+        # The second SIGINT must come after the first was acted on, or it is not second.
+        app.wait_for(lambda: "SIGINT: stopping gracefully" in app.log(), 10, "first SIGINT")
         app.signal(signal.SIGINT)
         started = time.monotonic()
         assert app.wait_exit(15) == 0
@@ -392,7 +416,7 @@ def test_a_frozen_engine_gets_no_new_work_from_its_first_failed_check(tmp_path: 
         health={"interval_s": interval, "probe_timeout_s": probe, "failures_to_restart": 6},
     )
     with run_appliance(tmp_path, cfg) as app:
-        app.wait_ready()
+        app.wait_all_ready()  # engine 0 READY before the freeze, or it never turns SUSPECT
         key = (tmp_path / "admin.key").read_text().strip()
         client = openai.OpenAI(base_url=app.url + "/v1", api_key=key, max_retries=0, timeout=60)
         stats = app.engine_stats(0)
