@@ -107,7 +107,7 @@ class Prometheus:
 def _answers(url: str) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=2) as r:
-            return r.status == 200
+            return bool(r.status == 200)
     except OSError:
         return False
 
