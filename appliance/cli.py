@@ -65,7 +65,7 @@ def event_loop_factory(
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from appliance.supervisor import serve
+    from appliance.serve import serve
 
     config = _load(args)
     loop_name, loop_factory = event_loop_factory()

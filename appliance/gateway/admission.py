@@ -28,9 +28,10 @@ import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from appliance.config import Config
-from appliance.engine import EngineSnapshot, EngineState
+from appliance.engine import EngineState
 from appliance.gateway.errors import GatewayError
 from appliance.policy.routing import EngineLoad, route
 from appliance.policy.thermal import HARD_LEVEL, scale_budget
@@ -38,6 +39,15 @@ from appliance.policy.thermal import HARD_LEVEL, scale_budget
 KV_BREAKER_OPEN = 0.92
 KV_BREAKER_CLOSE = 0.85
 AFFINITY_SESSIONS = 4096
+
+
+class EngineView(Protocol):
+    """What admission reads of an engine (an ``appliance.control.EngineStatus``)."""
+
+    @property
+    def id(self) -> int: ...
+    @property
+    def state(self) -> EngineState: ...
 
 
 @dataclass(slots=True)
@@ -56,7 +66,7 @@ class Admission:
     def __init__(
         self,
         config: Callable[[], Config],
-        engines: Callable[[], Sequence[EngineSnapshot]],
+        engines: Callable[[], Sequence[EngineView]],
         accepting: Callable[[], bool],
         on_reject: Callable[[str], None] | None = None,
         clock: Callable[[], float] = time.monotonic,

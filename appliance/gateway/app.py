@@ -1,39 +1,39 @@
 """The gateway's aiohttp application: built by a factory, no module-level singletons.
 
-The supervisor owns engines; the gateway reads its snapshots and tells it, through a
-small link (:class:`Gateway` implements the supervisor's ``GatewayLink``), how much work
-sits on each engine. One middleware does, for every request: authentication and scope,
-turning every refusal into an OpenAI-shaped error, and the request metrics.
+The supervisor owns engines; the gateway sees them only through the door,
+:mod:`appliance.control`: it reads frozen status snapshots (``ApplianceView``), asks for
+engine commands (``EngineCommands``), and tells the supervisor how much work sits on
+each engine through the link it implements (:class:`Gateway` is a ``GatewayLink``). It
+never imports the supervisor. One middleware does, for every request: authentication
+and scope, turning every refusal into an OpenAI-shaped error, and the request metrics.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import ssl
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from appliance import __version__
+from appliance.control import Appliance
 from appliance.endpoint import EngineAddress
-from appliance.engine import EngineState, RestartReason
+from appliance.engine import EngineState
 from appliance.errors import ApplianceError
+from appliance.gateway.admin import Admin
 from appliance.gateway.admission import Admission
 from appliance.gateway.errors import GatewayError, error_response
 from appliance.gateway.keys import (
     KeysFileError,
-    KeySpecError,
     KeyStore,
     KeyWatcher,
     ensure_admin_key,
     required_scope,
-    validate_key_id,
 )
 from appliance.gateway.metrics import GatewayMetrics
 from appliance.gateway.proxy import Relay
@@ -41,9 +41,6 @@ from appliance.gateway.ratelimit import RateLimiter
 from appliance.gateway.server import BodyTimeout, ConnectionLimits, GatewayRunner, ensure_fd_room
 from appliance.gateway.splice import UpstreamPool
 from appliance.policy.thermal import HARD_LEVEL
-
-if TYPE_CHECKING:
-    from appliance.supervisor import Supervisor
 
 log = logging.getLogger("appliance.gateway")
 
@@ -59,20 +56,20 @@ class ListenError(ApplianceError):
 class Gateway:
     """Everything the HTTP side holds: keys, limits, admission, metrics, one client session."""
 
-    def __init__(self, supervisor: Supervisor) -> None:
-        self.supervisor = supervisor
-        cfg = supervisor.config.gateway
+    def __init__(self, appliance: Appliance) -> None:
+        self.appliance = appliance
+        cfg = appliance.config.gateway
         self.keys = KeyStore(Path(cfg.keys_file))
         self.watcher = KeyWatcher(self.keys, logger=log)
         self.metrics = GatewayMetrics()
         self.ratelimiter = RateLimiter()
         self.admission = Admission(
-            lambda: supervisor.config,
-            supervisor.snapshots,
-            lambda: supervisor.accepting,
+            lambda: appliance.config,
+            appliance.engines,
+            lambda: appliance.accepting,
             on_reject=lambda reason: self.metrics.rejections.labels(reason).inc(),
         )
-        self.metrics.attach(supervisor, self.admission)
+        self.metrics.attach(appliance, self.admission)
         # Non-streamed requests' engine connections: one client session per engine address
         # (a Unix socket needs a connector of its own), made on first use.
         self._sessions: dict[EngineAddress, aiohttp.ClientSession] = {}
@@ -101,7 +98,7 @@ class Gateway:
     def abandon(self, engine_id: int, why: str) -> int:
         return self.relay.abandon(engine_id, why)
 
-    def stopping(self) -> None:
+    def shutdown_begun(self) -> None:
         self.admission.fail_waiters("shutting_down", "the server is shutting down")
 
     def reload(self) -> None:
@@ -111,15 +108,12 @@ class Gateway:
     # ---- helpers for handlers ------------------------------------------------------------
     def model_names(self) -> tuple[str, ...]:
         if not self._models:
-            self._models = tuple(
-                sorted({rt.spec.served_model_name for rt in self.supervisor.engines})
-            )
+            self._models = tuple(sorted({e.served_model_name for e in self.appliance.engines()}))
         return self._models
 
     def has_other_engine(self, exclude: frozenset[int]) -> bool:
         return any(
-            rt.state is EngineState.READY and rt.spec.id not in exclude
-            for rt in self.supervisor.engines
+            e.state is EngineState.READY and e.id not in exclude for e in self.appliance.engines()
         )
 
     def session_for(self, address: EngineAddress) -> aiohttp.ClientSession:
@@ -188,7 +182,7 @@ async def gateway_middleware(request: web.Request, handler: Any) -> web.StreamRe
     try:
         scope = required_scope(request.path)
         if scope is not None and not (
-            scope == "metrics" and gw.supervisor.config.gateway.metrics_public
+            scope == "metrics" and gw.appliance.config.gateway.metrics_public
         ):
             _authenticate(gw, request, scope)
         resp: web.StreamResponse = await handler(request)
@@ -203,7 +197,7 @@ async def gateway_middleware(request: web.Request, handler: Any) -> web.StreamRe
     except web.HTTPException as exc:
         status = exc.status
         if exc.status == 413:
-            limit = gw.supervisor.config.gateway.max_body_bytes
+            limit = gw.appliance.config.gateway.max_body_bytes
             return error_response(
                 413, f"the request body is larger than {limit} bytes", code="request_too_large"
             )
@@ -238,8 +232,8 @@ async def gateway_middleware(request: web.Request, handler: Any) -> web.StreamRe
 
 # ---- handlers ------------------------------------------------------------------------
 async def healthz(request: web.Request) -> web.Response:
-    sup = request.app[GATEWAY].supervisor
-    if time.monotonic() - sup.last_tick > LOOP_STALL_S:
+    appliance = request.app[GATEWAY].appliance
+    if time.monotonic() - appliance.last_tick > LOOP_STALL_S:
         return web.json_response({"status": "stalled"}, status=503)
     return web.json_response({"status": "ok"})
 
@@ -247,15 +241,15 @@ async def healthz(request: web.Request) -> web.Response:
 async def readyz(request: web.Request) -> web.Response:
     """200 only while some engine can take a new request now; else 503 and why not."""
     gw = request.app[GATEWAY]
-    sup = gw.supervisor
-    ready = [s.id for s in sup.snapshots() if s.state.accepts_work]
+    accepting = gw.appliance.accepting
+    ready = [s.id for s in gw.appliance.engines() if s.state.accepts_work]
     admitting = [load.id for load in gw.admission.loads() if load.accepting]
-    if sup.accepting and admitting:
+    if accepting and admitting:
         return web.json_response(
             {"status": "ready", "engines_ready": ready, "engines_admitting": admitting}
         )
-    body: dict[str, Any] = {"status": "stopping" if not sup.accepting else "not admitting"}
-    if sup.accepting:
+    body: dict[str, Any] = {"status": "stopping" if not accepting else "not admitting"}
+    if accepting:
         body["reasons"] = {str(e): why for e, why in not_admitting(gw).items()}
     body |= {"engines_ready": ready, "engines_admitting": admitting}
     return web.json_response(body, status=503, headers={"Retry-After": "5"})
@@ -264,7 +258,7 @@ async def readyz(request: web.Request) -> web.Response:
 def not_admitting(gw: Gateway) -> dict[int, str]:
     """Why each engine takes no new request now, in words an operator can act on."""
     out: dict[int, str] = {}
-    for snap in gw.supervisor.snapshots():
+    for snap in gw.appliance.engines():
         if snap.state is not EngineState.READY:
             out[snap.id] = {
                 "STARTING": "starting (loading the model)",
@@ -284,173 +278,12 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-def status_document(gw: Gateway) -> dict[str, Any]:
-    sup = gw.supervisor
-    engines = []
-    for rt in sup.engines:
-        snap = rt.snapshot()
-        key = snap.gpu if snap.gpu is not None else snap.id
-        reading = sup.gpu_readings.get(key)
-        obs = rt.last_observation
-        engines.append(
-            {
-                "id": snap.id,
-                "gpu": snap.gpu,
-                "port": snap.port,  # null with engine.listen = "unix"
-                "listen": str(snap.address),
-                "state": snap.state.value,
-                "pid": snap.pid,
-                "inflight": gw.admission.inflight(snap.id),
-                "inflight_tokens": gw.admission.inflight_tokens(snap.id),
-                "restarts": snap.restarts,
-                "restarts_by_reason": dict(rt.restarts_by_reason),
-                "last_restart_reason": snap.last_restart_reason,
-                "throttle_level": gw.admission.throttle_level.get(snap.id, 0),
-                "temperature_c": reading.temperature_c if reading else None,
-                "kv_cache_usage": obs.kv_cache_usage if obs else None,
-                "kv_breaker_open": gw.admission.kv_tripped.get(snap.id, False),
-                "requests_running": obs.running if obs else None,
-                "model": snap.served_model_name,
-            }
-        )
-    gpus = [
-        {
-            "index": r.index,
-            "name": r.name,
-            "temperature_c": r.temperature_c,
-            "power_w": r.power_w,
-            "power_limit_w": r.power_limit_w,
-            "memory_used_bytes": r.memory_used_bytes,
-            "memory_total_bytes": r.memory_total_bytes,
-            "utilization": r.utilization,
-            "sm_clock_mhz": r.sm_clock_mhz,
-            "throttle_reasons": list(r.throttle_reasons),
-            "throttle_level": sup.throttle_levels().get(r.index, 0),
-        }
-        for _, r in sorted(sup.gpu_readings.items())
-    ]
-    return {
-        "version": __version__,
-        "device": sup.plan.device if sup.plan else None,
-        "uptime_s": round(time.time() - sup.started_at, 1),
-        "accepting": sup.accepting,
-        "ready": sup.ready,
-        "queue_depth": gw.admission.queue_depth,
-        "engines": engines,
-        "gpus": gpus,
-    }
-
-
-async def admin_status(request: web.Request) -> web.Response:
-    return web.json_response(status_document(request.app[GATEWAY]))
-
-
-_ENGINE_ID_RE = re.compile(r"[0-9]+")  # ASCII only: str.isdigit() takes "²" and "١"
-
-
-def _engine_id(request: web.Request) -> int:
-    """The engine a /admin/engines/{id}/... path names: 400 naming ``id`` unless it is a
-    whole number in ASCII digits, 404 when no engine has it."""
-    gw = request.app[GATEWAY]
-    raw = request.match_info["id"]
-    shown = raw if len(raw) <= 20 else raw[:17] + "..."
-    if not _ENGINE_ID_RE.fullmatch(raw):
-        raise GatewayError(
-            400, f"id: engine ids are whole numbers in ASCII digits, got {shown!r}", param="id"
-        )
-    # int() refuses strings of over 4300 digits; no engine has an id that long anyway.
-    if len(raw) > 9 or int(raw) >= len(gw.supervisor.engines):
-        raise GatewayError(404, f"no engine {shown}", code="unknown_engine")
-    return int(raw)
-
-
-async def admin_restart(request: web.Request) -> web.Response:
-    gw = request.app[GATEWAY]
-    eid = _engine_id(request)
-    if not gw.supervisor.request_restart(eid, RestartReason.ADMIN):
-        raise GatewayError(
-            409,
-            f"engine {eid} is {gw.supervisor.engines[eid].state.value} and cannot be restarted now",
-            code="engine_busy",
-        )
-    return web.json_response({"id": eid, "action": "restart", "accepted": True}, status=202)
-
-
-async def admin_drain(request: web.Request) -> web.Response:
-    gw = request.app[GATEWAY]
-    eid = _engine_id(request)
-    ok, why = gw.supervisor.drain(eid, force=request.query.get("force") == "true")
-    if not ok:
-        raise GatewayError(409, why, code="cannot_drain")
-    return web.json_response({"id": eid, "state": gw.supervisor.engines[eid].state.value})
-
-
-async def admin_resume(request: web.Request) -> web.Response:
-    gw = request.app[GATEWAY]
-    eid = _engine_id(request)
-    ok, why = gw.supervisor.resume(eid)
-    if not ok:
-        raise GatewayError(409, why, code="cannot_resume")
-    gw.admission.kick()
-    return web.json_response({"id": eid, "state": gw.supervisor.engines[eid].state.value})
-
-
-async def admin_keys_list(request: web.Request) -> web.Response:
-    gw = request.app[GATEWAY]
-    return web.json_response({"keys": [r.public_dict() for r in gw.keys.records]})
-
-
-async def admin_keys_create(request: web.Request) -> web.Response:
-    gw = request.app[GATEWAY]
-    try:
-        body = await request.json()
-    except (ValueError, RecursionError):
-        raise GatewayError(400, "the request body is not valid JSON") from None
-    if not isinstance(body, dict):
-        raise GatewayError(400, "the request body must be a JSON object")
-    allowed = {"name", "scopes", "rpm", "tpm", "priority", "expires_days"}
-    unknown = sorted(set(body) - allowed)
-    if unknown:
-        raise GatewayError(
-            400, f"unknown field(s) {unknown}; allowed: {sorted(allowed)}", param=unknown[0]
-        )
-    name: Any = body.get("name")  # validated (with a message naming it) by create()
-    try:
-        record, secret = await asyncio.to_thread(
-            gw.keys.create,
-            name,
-            body.get("scopes"),
-            body.get("rpm"),
-            body.get("tpm"),
-            body.get("priority", "interactive"),
-            body.get("expires_days"),
-        )
-    except KeySpecError as exc:
-        raise GatewayError(400, str(exc), param=exc.field) from None
-    except KeysFileError as exc:
-        raise GatewayError(503, str(exc), code="keys_file_error", retry_after=5) from None
-    return web.json_response({"key": secret, **record.public_dict()}, status=201)
-
-
-async def admin_keys_delete(request: web.Request) -> web.Response:
-    gw = request.app[GATEWAY]
-    try:
-        key_id = validate_key_id(request.match_info["id"])
-    except KeySpecError as exc:
-        raise GatewayError(400, str(exc), param=exc.field) from None
-    try:
-        removed = await asyncio.to_thread(gw.keys.revoke, key_id)
-    except KeysFileError as exc:
-        raise GatewayError(503, str(exc), code="keys_file_error", retry_after=5) from None
-    if not removed:
-        raise GatewayError(404, f"no key with id {key_id!r}", code="unknown_key")
-    return web.json_response({"id": key_id, "revoked": True})
-
-
-def create_app(supervisor: Supervisor) -> web.Application:
-    gw = Gateway(supervisor)
+def create_app(appliance: Appliance) -> web.Application:
+    """The gateway's app over ``appliance``; ``app[GATEWAY]`` is its link for the supervisor
+    (connected by :mod:`appliance.serve`, the only place that knows both sides)."""
+    gw = Gateway(appliance)
     app = web.Application(
-        client_max_size=supervisor.config.gateway.max_body_bytes,
+        client_max_size=appliance.config.gateway.max_body_bytes,
         middlewares=[gateway_middleware],
         handler_args={},
     )
@@ -463,16 +296,9 @@ def create_app(supervisor: Supervisor) -> web.Application:
     r.add_post("/v1/chat/completions", gw.relay.chat)
     r.add_post("/v1/completions", gw.relay.completions)
     r.add_post("/v1/embeddings", gw.relay.embeddings)
-    r.add_get("/admin/status", admin_status)
-    r.add_post("/admin/engines/{id}/restart", admin_restart)
-    r.add_post("/admin/engines/{id}/drain", admin_drain)
-    r.add_post("/admin/engines/{id}/resume", admin_resume)
-    r.add_get("/admin/keys", admin_keys_list)
-    r.add_post("/admin/keys", admin_keys_create)
-    r.add_delete("/admin/keys/{id}", admin_keys_delete)
+    Admin(gw).add_routes(r)
     app.on_startup.append(gw.on_startup)
     app.on_cleanup.append(gw.on_cleanup)
-    supervisor.link = gw
     return app
 
 
@@ -486,9 +312,10 @@ def _ssl_context(cert: str, key: str) -> ssl.SSLContext:
     return ctx
 
 
-async def start_gateway(supervisor: Supervisor) -> web.AppRunner:
-    g = supervisor.config.gateway
-    app = create_app(supervisor)
+async def start_gateway(appliance: Appliance) -> GatewayRunner:
+    """The gateway, listening; its Gateway (the supervisor's link) is ``runner.app[GATEWAY]``."""
+    g = appliance.config.gateway
+    app = create_app(appliance)
     gw = app[GATEWAY]
     try:
         gw.keys.load()

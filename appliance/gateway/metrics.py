@@ -1,14 +1,15 @@
 """Prometheus figures under ``appliance_``: one registry per app, no globals.
 
 Request-path figures (counts, latencies, queue) are updated as requests happen. Engine,
-GPU and throttle figures are read from the supervisor at scrape time by a collector, so
-the hot path pays nothing for them and they are never stale.
+GPU and throttle figures are read at scrape time by a collector, from one status
+snapshot of the appliance (:class:`appliance.control.ApplianceView`), so the hot path
+pays nothing for them and they are never stale.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import (
     CollectorRegistry,
@@ -19,11 +20,11 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from appliance.control import ApplianceStatus, ApplianceView
 from appliance.engine import EngineState
 
 if TYPE_CHECKING:
     from appliance.gateway.admission import Admission
-    from appliance.supervisor import Supervisor
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30)
@@ -79,23 +80,72 @@ class GatewayMetrics:
             registry=r,
         )
 
-    def attach(self, supervisor: Supervisor, admission: Admission) -> None:
-        self.registry.register(_LiveCollector(supervisor, admission))
+    def attach(self, view: ApplianceView, admission: Admission) -> None:
+        self.registry.register(_LiveCollector(view, admission))
+
+
+# The last health check's vLLM figures, per engine: (family, help, EngineStatus field).
+_OBSERVED: tuple[tuple[type[GaugeMetricFamily | CounterMetricFamily], str, str, str], ...] = (
+    (
+        GaugeMetricFamily,
+        "appliance_engine_kv_cache_usage",
+        "vLLM KV cache usage (0..1), last scrape",
+        "kv_cache_usage",
+    ),
+    (
+        GaugeMetricFamily,
+        "appliance_engine_requests_running",
+        "vLLM requests running, last scrape",
+        "running",
+    ),
+    (
+        GaugeMetricFamily,
+        "appliance_engine_requests_waiting",
+        "vLLM requests waiting, last scrape",
+        "waiting",
+    ),
+    (
+        CounterMetricFamily,
+        "appliance_engine_preemptions",
+        "vLLM preemptions (since the engine's start)",
+        "preemptions_total",
+    ),
+    (
+        CounterMetricFamily,
+        "appliance_engine_generation_tokens",
+        "vLLM generated tokens (since the engine's start)",
+        "generation_tokens",
+    ),
+)
+# Each GPU's sensors: (name, help, GpuReading field).
+_SENSORS: tuple[tuple[str, str, str], ...] = (
+    ("appliance_gpu_temperature_celsius", "GPU temperature", "temperature_c"),
+    ("appliance_gpu_power_watts", "GPU power draw", "power_w"),
+    ("appliance_gpu_power_limit_watts", "GPU enforced power limit", "power_limit_w"),
+    ("appliance_gpu_memory_used_bytes", "GPU memory in use", "memory_used_bytes"),
+    ("appliance_gpu_utilization_ratio", "GPU utilization (0..1)", "utilization"),
+    ("appliance_gpu_sm_clock_mhz", "GPU SM clock", "sm_clock_mhz"),
+)
 
 
 class _LiveCollector(Collector):
-    def __init__(self, supervisor: Supervisor, admission: Admission) -> None:
-        self._sup = supervisor
+    def __init__(self, view: ApplianceView, admission: Admission) -> None:
+        self._view = view
         self._adm = admission
 
     def describe(self) -> list[Metric]:
         return []  # unchecked collector: figures are read at scrape time
 
     def collect(self) -> Iterator[Metric]:
-        sup, adm = self._sup, self._adm
+        status = self._view.status()
         queue = GaugeMetricFamily("appliance_queue_depth", "Requests waiting for an engine")
-        queue.add_metric([], adm.queue_depth)
+        queue.add_metric([], self._adm.queue_depth)
         yield queue
+        yield from self._engines(status)
+        yield from _gpus(status)
+
+    def _engines(self, status: ApplianceStatus) -> Iterator[Metric]:
+        adm = self._adm
         state = GaugeMetricFamily(
             "appliance_engine_state",
             "1 for the engine's current lifecycle state",
@@ -112,96 +162,52 @@ class _LiveCollector(Collector):
         restarts = CounterMetricFamily(
             "appliance_engine_restarts", "Engine restarts, by reason", labels=["engine", "reason"]
         )
-        kv = GaugeMetricFamily(
-            "appliance_engine_kv_cache_usage",
-            "vLLM KV cache usage (0..1), last scrape",
-            labels=["engine"],
-        )
-        running = GaugeMetricFamily(
-            "appliance_engine_requests_running",
-            "vLLM requests running, last scrape",
-            labels=["engine"],
-        )
-        waiting = GaugeMetricFamily(
-            "appliance_engine_requests_waiting",
-            "vLLM requests waiting, last scrape",
-            labels=["engine"],
-        )
-        preempt = CounterMetricFamily(
-            "appliance_engine_preemptions",
-            "vLLM preemptions (since the engine's start)",
-            labels=["engine"],
-        )
-        gen = CounterMetricFamily(
-            "appliance_engine_generation_tokens",
-            "vLLM generated tokens (since the engine's start)",
-            labels=["engine"],
-        )
+        observed: list[tuple[Any, str]] = [
+            (family(name, text, labels=["engine"]), field)
+            for family, name, text, field in _OBSERVED
+        ]
         breaker = GaugeMetricFamily(
             "appliance_engine_kv_breaker_open",
             "1 while the KV-pressure breaker keeps new work away",
             labels=["engine"],
         )
-        for rt in sup.engines:
-            eid = str(rt.spec.id)
+        for e in status.engines:
+            eid = str(e.id)
             for s in EngineState:
-                state.add_metric([eid, s.value], 1.0 if rt.state is s else 0.0)
-            inflight.add_metric([eid], adm.inflight(rt.spec.id))
-            tokens.add_metric([eid], adm.inflight_tokens(rt.spec.id))
-            for reason, n in sorted(rt.restarts_by_reason.items()):
+                state.add_metric([eid, s.value], 1.0 if e.state is s else 0.0)
+            inflight.add_metric([eid], adm.inflight(e.id))
+            tokens.add_metric([eid], adm.inflight_tokens(e.id))
+            for reason, n in sorted(e.restarts_by_reason.items()):
                 restarts.add_metric([eid, reason], n)
-            breaker.add_metric([eid], 1.0 if adm.kv_tripped.get(rt.spec.id) else 0.0)
-            m = rt.last_observation
-            if m is not None:
-                for fam, value in (
-                    (kv, m.kv_cache_usage),
-                    (running, m.running),
-                    (waiting, m.waiting),
-                    (preempt, m.preemptions_total),
-                    (gen, m.generation_tokens),
-                ):
-                    if value is not None:
-                        fam.add_metric([eid], value)
-        yield from (state, inflight, tokens, restarts, kv, running, waiting, preempt, gen, breaker)
-        temp = GaugeMetricFamily(
-            "appliance_gpu_temperature_celsius", "GPU temperature", labels=["gpu"]
-        )
-        power = GaugeMetricFamily("appliance_gpu_power_watts", "GPU power draw", labels=["gpu"])
-        limit = GaugeMetricFamily(
-            "appliance_gpu_power_limit_watts", "GPU enforced power limit", labels=["gpu"]
-        )
-        mem = GaugeMetricFamily(
-            "appliance_gpu_memory_used_bytes", "GPU memory in use", labels=["gpu"]
-        )
-        util = GaugeMetricFamily(
-            "appliance_gpu_utilization_ratio", "GPU utilization (0..1)", labels=["gpu"]
-        )
-        clock = GaugeMetricFamily("appliance_gpu_sm_clock_mhz", "GPU SM clock", labels=["gpu"])
-        slow = GaugeMetricFamily(
-            "appliance_gpu_clock_event_active",
-            "1 for each clock event (throttle) reason now active",
-            labels=["gpu", "reason"],
-        )
-        for idx, r in sorted(sup.gpu_readings.items()):
-            g = str(idx)
-            for fam, value in (
-                (temp, r.temperature_c),
-                (power, r.power_w),
-                (limit, r.power_limit_w),
-                (mem, r.memory_used_bytes),
-                (util, r.utilization),
-                (clock, r.sm_clock_mhz),
-            ):
+            breaker.add_metric([eid], 1.0 if adm.kv_tripped.get(e.id) else 0.0)
+            for fam, field in observed:
+                value = getattr(e, field)
                 if value is not None:
-                    fam.add_metric([g], float(value))
-            for reason in r.throttle_reasons:
-                slow.add_metric([g, reason], 1.0)
-        yield from (temp, power, limit, mem, util, clock, slow)
-        level = GaugeMetricFamily(
-            "appliance_throttle_level",
-            "Thermal throttle level (0 = none, 4 = admit nothing new)",
-            labels=["gpu"],
-        )
-        for gpu, lvl in sorted(sup.throttle_levels().items()):
-            level.add_metric([str(gpu)], lvl)
-        yield level
+                    fam.add_metric([eid], value)
+        yield from (state, inflight, tokens, restarts, *(f for f, _ in observed), breaker)
+
+
+def _gpus(status: ApplianceStatus) -> Iterator[Metric]:
+    sensors = [
+        (GaugeMetricFamily(name, text, labels=["gpu"]), field) for name, text, field in _SENSORS
+    ]
+    slow = GaugeMetricFamily(
+        "appliance_gpu_clock_event_active",
+        "1 for each clock event (throttle) reason now active",
+        labels=["gpu", "reason"],
+    )
+    level = GaugeMetricFamily(
+        "appliance_throttle_level",
+        "Thermal throttle level (0 = none, 4 = admit nothing new)",
+        labels=["gpu"],
+    )
+    for g in status.gpus:
+        idx = str(g.index)
+        for fam, field in sensors:
+            value = getattr(g.reading, field)
+            if value is not None:
+                fam.add_metric([idx], float(value))
+        for reason in g.reading.throttle_reasons:
+            slow.add_metric([idx, reason], 1.0)
+        level.add_metric([idx], g.throttle_level)
+    yield from (*(f for f, _ in sensors), slow, level)

@@ -254,7 +254,7 @@ class Relay:
         return len(attempts)
 
     async def models(self, request: web.Request) -> web.Response:
-        created = int(self.gw.supervisor.started_at)
+        created = int(self.gw.appliance.started_at)
         names = self.gw.model_names()
         return web.json_response(
             {
@@ -279,7 +279,7 @@ class Relay:
         gw = self.gw
         started = time.monotonic()
         record = request["key"]
-        cfg = gw.supervisor.config.gateway
+        cfg = gw.appliance.config.gateway
         try:
             raw = await request.read()
         except web.HTTPException:
@@ -288,7 +288,7 @@ class Relay:
             # e.g. Content-Encoding: gzip on a body that is not gzip
             raise _bad(f"the request body could not be read ({type(exc).__name__})") from None
         parsed = parse_body(
-            route, raw, request.headers, cfg, gw.supervisor.config.engine.max_model_len
+            route, raw, request.headers, cfg, gw.appliance.config.engine.max_model_len
         )
         if parsed.model not in gw.model_names():
             raise GatewayError(
@@ -343,7 +343,7 @@ class Relay:
         """A non-streamed answer (both relay paths), which the daemon must hold whole
         before sending it on: never more than gateway.max_answer_bytes of it. Beyond,
         502, not a retry: another engine would answer the same."""
-        limit = self.gw.supervisor.config.gateway.max_answer_bytes
+        limit = self.gw.appliance.config.gateway.max_answer_bytes
         try:
             return await read(limit)
         except AnswerTooLarge:
@@ -367,7 +367,7 @@ class Relay:
     ) -> web.StreamResponse | EngineFailure:
         """The response sent, or why the engine failed before its first byte."""
         gw = self.gw
-        snap = gw.supervisor.engines[engine_id].snapshot()
+        snap = gw.appliance.engine(engine_id)
         headers = {"Authorization": f"Bearer {snap.api_key}", "Content-Type": "application/json"}
         attempt = _Attempt(asyncio.current_task())
         attempts = self._attempts[engine_id]

@@ -54,10 +54,12 @@ class FakeGateway:
     """What the relay reads of its gateway, for one engine at ``address``."""
 
     def __init__(self, address: EngineAddress, session: Any = None) -> None:
-        snapshot = SimpleNamespace(api_key="engine-key", address=address)
-        self.supervisor = SimpleNamespace(
+        status = SimpleNamespace(api_key="engine-key", address=address)
+        # The relay's view of the appliance (appliance.control.ApplianceView), in part.
+        self.appliance = SimpleNamespace(
             config=SimpleNamespace(gateway=GatewayConfig(), engine=EngineConfig()),
-            engines=[SimpleNamespace(snapshot=lambda: snapshot)],
+            engine=lambda engine_id: status,
+            started_at=0.0,
         )
         self.admission = _Admission()
         self.ratelimiter = SimpleNamespace(check=lambda *_: None)

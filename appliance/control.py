@@ -1,0 +1,208 @@
+"""The one door between the supervisor and the gateway: frozen status types and Protocols.
+
+Neither side imports the other. Each depends on this module alone, and the composition
+root (:mod:`appliance.serve`) hands each its half of the other::
+
+    gateway ──reads──► ApplianceView   (status snapshots: frozen, copied, never live)
+            ──calls──► EngineCommands  (restart / drain / resume → CommandResult)
+                         ▲ implemented by the supervisor
+    supervisor ─calls─► GatewayLink    (work in flight, KV breaker, throttle, shutdown)
+                         ▲ implemented by the gateway
+
+A command does not change an engine: it is a request that the engine's runner (the only
+code that moves that engine's state) answers from its own task; the caller awaits the
+answer. Everything the gateway shows about an engine or a GPU comes from the status types
+below, so "which telemetry entry stands for this engine" is decided here, once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from appliance.config import Config
+from appliance.endpoint import EngineAddress
+from appliance.engine import EngineState
+from appliance.telemetry import GpuReading
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStatus:
+    """One engine as its runner last saw it; a copy, so it never changes under a reader."""
+
+    id: int
+    gpu: int | None  # CUDA index, or None on CPU
+    address: EngineAddress
+    state: EngineState
+    api_key: str  # this spawn's engine key; the gateway sends it, clients never see it
+    served_model_name: str = ""
+    pid: int | None = None  # the API server's, while it runs
+    restarts: int = 0
+    restarts_by_reason: Mapping[str, int] = field(default_factory=dict)
+    last_restart_reason: str | None = None
+    # vLLM's figures from the engine's last health check (None: not read, not reported).
+    kv_cache_usage: float | None = None
+    running: float | None = None
+    waiting: float | None = None
+    preemptions_total: float | None = None
+    generation_tokens: float | None = None
+
+    @property
+    def port(self) -> int | None:
+        return self.address.port
+
+    @property
+    def base_url(self) -> str:
+        return self.address.base_url
+
+    @property
+    def telemetry_index(self) -> int:
+        """The telemetry entry that stands for this engine: its GPU's index, else its id
+        (engine i of a CPU box is telemetry entry i, so a sensors file can heat it)."""
+        return self.gpu if self.gpu is not None else self.id
+
+
+@dataclass(frozen=True, slots=True)
+class GpuStatus:
+    """One telemetry entry (a GPU, or a CPU engine's stand-in) and its throttle level."""
+
+    reading: GpuReading
+    throttle_level: int = 0  # the thermal governor's: 0 = none, policy.thermal.HARD_LEVEL = all
+
+    @property
+    def index(self) -> int:
+        return self.reading.index
+
+
+@dataclass(frozen=True, slots=True)
+class ApplianceStatus:
+    """The whole box at one moment: what /admin/status, /metrics and `status` show."""
+
+    started_at: float  # time.time() of the daemon's start
+    device: str | None  # "cuda" | "cpu"; None until the engines are planned
+    accepting: bool  # False once shutdown began: new requests are refused
+    ready: bool  # accepting, and some engine is READY
+    engines: tuple[EngineStatus, ...]
+    gpus: tuple[GpuStatus, ...]  # by index
+
+    def gpu(self, index: int) -> GpuStatus | None:
+        return next((g for g in self.gpus if g.index == index), None)
+
+
+@dataclass(frozen=True, slots=True)
+class CommandResult:
+    """A runner's answer to an engine command; the HTTP handler turns it into a status."""
+
+    ok: bool
+    state: EngineState  # the engine's state once the command was handled
+    message: str = ""  # why not, when not ok: said to the admin as it is
+
+
+class ApplianceView(Protocol):
+    """What the gateway may read of the running appliance (read-only)."""
+
+    @property
+    def config(self) -> Config:
+        """The config in force (a reload replaces it)."""
+        ...
+
+    @property
+    def accepting(self) -> bool: ...
+
+    @property
+    def last_tick(self) -> float:
+        """time.monotonic() of the supervisor loop's last tick (a stalled loop is not alive)."""
+        ...
+
+    @property
+    def started_at(self) -> float: ...
+
+    def engines(self) -> tuple[EngineStatus, ...]:
+        """Every engine, by id (engine i at index i)."""
+        ...
+
+    def engine(self, engine_id: int) -> EngineStatus:
+        """One engine (IndexError for an id no engine has)."""
+        ...
+
+    def status(self) -> ApplianceStatus: ...
+
+
+class EngineCommands(Protocol):
+    """What the gateway may ask of an engine (scope admin). Each answer comes from the
+    engine's runner; the caller bounds its wait."""
+
+    async def restart(self, engine_id: int) -> CommandResult:
+        """Drain, then restart: ok means the restart was asked for (it happens later)."""
+        ...
+
+    async def drain(self, engine_id: int, *, force: bool = False) -> CommandResult:
+        """No new work until resumed; the last engine serving drains only with ``force``."""
+        ...
+
+    async def resume(self, engine_id: int) -> CommandResult: ...
+
+
+class Appliance(ApplianceView, EngineCommands, Protocol):
+    """The gateway's whole view of the supervisor."""
+
+
+class GatewayLink(Protocol):
+    """What the supervisor tells the gateway and asks of it (implemented by the gateway)."""
+
+    def inflight(self, engine_id: int) -> int: ...
+    def observe_kv(self, engine_id: int, usage: float | None) -> None: ...
+    def kv_tripped(self, engine_id: int) -> bool: ...
+    def set_throttle(self, engine_id: int, level: int) -> None: ...
+    def engines_changed(self) -> None: ...
+    def abandon(self, engine_id: int, why: str) -> int:
+        """Give up the requests on a hung or drained-out engine; how many there were."""
+        ...
+
+    def shutdown_begun(self) -> None:
+        """Shutdown began: refuse everyone still waiting for an engine."""
+        ...
+
+    def reload(self) -> None:
+        """SIGHUP: re-read the keys file."""
+        ...
+
+
+class NoGateway:
+    """The link before a gateway is connected (and for a supervisor run without one)."""
+
+    def inflight(self, engine_id: int) -> int:
+        return 0
+
+    def observe_kv(self, engine_id: int, usage: float | None) -> None:
+        pass
+
+    def kv_tripped(self, engine_id: int) -> bool:
+        return False
+
+    def set_throttle(self, engine_id: int, level: int) -> None:
+        pass
+
+    def engines_changed(self) -> None:
+        pass
+
+    def abandon(self, engine_id: int, why: str) -> int:
+        return 0
+
+    def shutdown_begun(self) -> None:
+        pass
+
+    def reload(self) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class Listening:
+    """The HTTP side once it listens: its link, and how to close it at exit."""
+
+    link: GatewayLink
+    close: Callable[[], Awaitable[None]]
+
+
+StartHttp = Callable[[], Awaitable[Listening]]

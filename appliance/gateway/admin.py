@@ -1,0 +1,202 @@
+"""The /admin routes (scope admin): the status document, engine commands, keys.
+
+Engine commands go through the door (:class:`appliance.control.EngineCommands`): the
+handler asks, the engine's runner answers from its own task, and the handler turns the
+answer into a status code (200 done, 202 restart asked for, 409 refused). The wait for
+an answer is bounded: a runner answers at its next await, even in the middle of a health
+check, so the bound only ever catches a bug.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from collections.abc import Awaitable
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from appliance import __version__
+from appliance.control import CommandResult, EngineStatus, GpuStatus
+from appliance.gateway.errors import GatewayError
+from appliance.gateway.keys import KeysFileError, KeySpecError, validate_key_id
+
+if TYPE_CHECKING:
+    from appliance.gateway.app import Gateway
+
+COMMAND_WAIT_S = 10.0  # longest an admin request waits for an engine's runner to answer
+_ENGINE_ID_RE = re.compile(r"[0-9]+")  # ASCII only: str.isdigit() takes "²" and "١"
+KEY_FIELDS = frozenset({"name", "scopes", "rpm", "tpm", "priority", "expires_days"})
+
+
+def _engine_json(gw: Gateway, e: EngineStatus, gpu: GpuStatus | None) -> dict[str, Any]:
+    adm = gw.admission
+    return {
+        "id": e.id,
+        "gpu": e.gpu,
+        "port": e.port,  # null with engine.listen = "unix"
+        "listen": str(e.address),
+        "state": e.state.value,
+        "pid": e.pid,
+        "inflight": adm.inflight(e.id),
+        "inflight_tokens": adm.inflight_tokens(e.id),
+        "restarts": e.restarts,
+        "restarts_by_reason": dict(e.restarts_by_reason),
+        "last_restart_reason": e.last_restart_reason,
+        "throttle_level": adm.throttle_level.get(e.id, 0),
+        "temperature_c": gpu.reading.temperature_c if gpu else None,
+        "kv_cache_usage": e.kv_cache_usage,
+        "kv_breaker_open": adm.kv_tripped.get(e.id, False),
+        "requests_running": e.running,
+        "model": e.served_model_name,
+    }
+
+
+def _gpu_json(g: GpuStatus) -> dict[str, Any]:
+    r = g.reading
+    return {
+        "index": r.index,
+        "name": r.name,
+        "temperature_c": r.temperature_c,
+        "power_w": r.power_w,
+        "power_limit_w": r.power_limit_w,
+        "memory_used_bytes": r.memory_used_bytes,
+        "memory_total_bytes": r.memory_total_bytes,
+        "utilization": r.utilization,
+        "sm_clock_mhz": r.sm_clock_mhz,
+        "throttle_reasons": list(r.throttle_reasons),
+        "throttle_level": g.throttle_level,
+    }
+
+
+def status_document(gw: Gateway) -> dict[str, Any]:
+    """GET /admin/status, which `llm-appliance status --json` prints as it is."""
+    status = gw.appliance.status()
+    return {
+        "version": __version__,
+        "device": status.device,
+        "uptime_s": round(time.time() - status.started_at, 1),
+        "accepting": status.accepting,
+        "ready": status.ready,
+        "queue_depth": gw.admission.queue_depth,
+        "engines": [_engine_json(gw, e, status.gpu(e.telemetry_index)) for e in status.engines],
+        "gpus": [_gpu_json(g) for g in status.gpus],
+    }
+
+
+async def _answer(ask: Awaitable[CommandResult]) -> CommandResult:
+    """The runner's answer, within COMMAND_WAIT_S (a command not answered by then is
+    dropped unanswered: the runner skips a command whose asker stopped waiting)."""
+    try:
+        return await asyncio.wait_for(ask, COMMAND_WAIT_S)
+    except TimeoutError:
+        raise GatewayError(
+            503,
+            "the engine's supervisor did not answer in time; try again",
+            code="engine_busy",
+            retry_after=5,
+        ) from None
+
+
+class Admin:
+    """The /admin handlers of one gateway."""
+
+    def __init__(self, gw: Gateway) -> None:
+        self.gw = gw
+
+    def add_routes(self, r: web.UrlDispatcher) -> None:
+        r.add_get("/admin/status", self.status)
+        r.add_post("/admin/engines/{id}/restart", self.restart)
+        r.add_post("/admin/engines/{id}/drain", self.drain)
+        r.add_post("/admin/engines/{id}/resume", self.resume)
+        r.add_get("/admin/keys", self.keys_list)
+        r.add_post("/admin/keys", self.keys_create)
+        r.add_delete("/admin/keys/{id}", self.keys_delete)
+
+    async def status(self, request: web.Request) -> web.Response:
+        return web.json_response(status_document(self.gw))
+
+    def _engine_id(self, request: web.Request) -> int:
+        """The engine a /admin/engines/{id}/... path names: 400 naming ``id`` unless it is
+        a whole number in ASCII digits, 404 when no engine has it."""
+        raw = request.match_info["id"]
+        shown = raw if len(raw) <= 20 else raw[:17] + "..."
+        if not _ENGINE_ID_RE.fullmatch(raw):
+            raise GatewayError(
+                400, f"id: engine ids are whole numbers in ASCII digits, got {shown!r}", param="id"
+            )
+        # int() refuses strings of over 4300 digits; no engine has an id that long anyway.
+        if len(raw) > 9 or int(raw) >= len(self.gw.appliance.engines()):
+            raise GatewayError(404, f"no engine {shown}", code="unknown_engine")
+        return int(raw)
+
+    async def restart(self, request: web.Request) -> web.Response:
+        eid = self._engine_id(request)
+        result = await _answer(self.gw.appliance.restart(eid))
+        if not result.ok:
+            raise GatewayError(409, result.message, code="engine_busy")
+        return web.json_response({"id": eid, "action": "restart", "accepted": True}, status=202)
+
+    async def drain(self, request: web.Request) -> web.Response:
+        eid = self._engine_id(request)
+        force = request.query.get("force") == "true"
+        result = await _answer(self.gw.appliance.drain(eid, force=force))
+        if not result.ok:
+            raise GatewayError(409, result.message, code="cannot_drain")
+        return web.json_response({"id": eid, "state": result.state.value})
+
+    async def resume(self, request: web.Request) -> web.Response:
+        eid = self._engine_id(request)
+        result = await _answer(self.gw.appliance.resume(eid))
+        if not result.ok:
+            raise GatewayError(409, result.message, code="cannot_resume")
+        self.gw.admission.kick()
+        return web.json_response({"id": eid, "state": result.state.value})
+
+    async def keys_list(self, request: web.Request) -> web.Response:
+        return web.json_response({"keys": [r.public_dict() for r in self.gw.keys.records]})
+
+    async def keys_create(self, request: web.Request) -> web.Response:
+        try:
+            body = await request.json()
+        except (ValueError, RecursionError):
+            raise GatewayError(400, "the request body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise GatewayError(400, "the request body must be a JSON object")
+        unknown = sorted(set(body) - KEY_FIELDS)
+        if unknown:
+            raise GatewayError(
+                400,
+                f"unknown field(s) {unknown}; allowed: {sorted(KEY_FIELDS)}",
+                param=unknown[0],
+            )
+        name: Any = body.get("name")  # validated (with a message naming it) by create()
+        try:
+            record, secret = await asyncio.to_thread(
+                self.gw.keys.create,
+                name,
+                body.get("scopes"),
+                body.get("rpm"),
+                body.get("tpm"),
+                body.get("priority", "interactive"),
+                body.get("expires_days"),
+            )
+        except KeySpecError as exc:
+            raise GatewayError(400, str(exc), param=exc.field) from None
+        except KeysFileError as exc:
+            raise GatewayError(503, str(exc), code="keys_file_error", retry_after=5) from None
+        return web.json_response({"key": secret, **record.public_dict()}, status=201)
+
+    async def keys_delete(self, request: web.Request) -> web.Response:
+        try:
+            key_id = validate_key_id(request.match_info["id"])
+        except KeySpecError as exc:
+            raise GatewayError(400, str(exc), param=exc.field) from None
+        try:
+            removed = await asyncio.to_thread(self.gw.keys.revoke, key_id)
+        except KeysFileError as exc:
+            raise GatewayError(503, str(exc), code="keys_file_error", retry_after=5) from None
+        if not removed:
+            raise GatewayError(404, f"no key with id {key_id!r}", code="unknown_key")
+        return web.json_response({"id": key_id, "revoked": True})

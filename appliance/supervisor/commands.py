@@ -1,0 +1,115 @@
+"""What an engine's runner can be asked, and what it needs from around it.
+
+Commands go into a runner's inbox; the runner's own task carries them out, so a
+command never changes an engine from the asker's task. ``ask`` awaits the answer
+(:class:`appliance.control.CommandResult`); ``tell`` does not.
+
+The three Protocols are the runner's seams: the supervisor is its :class:`RunnerHost`,
+:class:`~appliance.supervisor.process.EngineProcess` its :class:`ProcessHandle` and
+:class:`~appliance.supervisor.probe.HttpProbe` its :class:`Probe`; tests give it fakes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from appliance.config import Config
+from appliance.control import GatewayLink
+from appliance.engine import EngineState, RestartReason
+from appliance.health import Observation
+from appliance.supervisor.coordination import RestartCoordinator
+from appliance.telemetry import GpuReading
+
+
+@dataclass(frozen=True, slots=True)
+class Drain:
+    """An admin's drain: no new work until resumed (the last engine serving: ``force``)."""
+
+    force: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Resume:
+    """An admin's resume of a drained engine."""
+
+
+@dataclass(frozen=True, slots=True)
+class Restart:
+    """A planned restart, drained first (an admin's; degradation asks from inside)."""
+
+    reason: RestartReason = RestartReason.ADMIN
+
+
+@dataclass(frozen=True, slots=True)
+class HeatRestart:
+    """The heat loop's word: the engine's GPU has been at the hard limit for ``held_s``
+    (``reduce``: restart it with fewer batched tokens) or cool for ``held_s`` (restore)."""
+
+    reduce: bool
+    gpu: int  # the telemetry index, for the log
+    held_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Nudge:
+    """Look again now: the config was reloaded, or the daemon is stopping."""
+
+
+Command = Drain | Resume | Restart | HeatRestart | Nudge
+
+
+class RunnerHost(Protocol):
+    """What a runner reads of the supervisor around it."""
+
+    @property
+    def config(self) -> Config: ...
+    @property
+    def link(self) -> GatewayLink: ...
+    @property
+    def stopping(self) -> bool: ...
+    @property
+    def fast_stop(self) -> bool: ...
+    @property
+    def coordinator(self) -> RestartCoordinator: ...
+    def gpu_reading(self, index: int) -> GpuReading | None: ...
+    def state_changed(self, engine_id: int, state: EngineState) -> None: ...
+
+
+class ProcessHandle(Protocol):
+    """An engine's processes (see :class:`appliance.supervisor.process.EngineProcess`)."""
+
+    @property
+    def api_key(self) -> str: ...
+    @property
+    def started(self) -> bool: ...
+    @property
+    def returncode(self) -> int | None: ...
+    @property
+    def pid(self) -> int | None: ...
+    def port_taken(self) -> bool: ...
+    def remove_stale_socket(self) -> None: ...
+    async def spawn(self, batched_tokens: int | None) -> None: ...
+    async def wait(self) -> int: ...
+    async def wait_exit(self, timeout_s: float) -> None: ...
+    def log_exit(self, when: str) -> None: ...
+    async def listener_is_ours(self) -> bool | None: ...
+    async def remember_tree(self) -> None: ...
+    async def sample_tree(self) -> int | None: ...
+    async def kill_tree(self, timeout_s: float) -> None: ...
+    async def wait_resources_free(
+        self,
+        reading: Callable[[], GpuReading | None],
+        stopping: Callable[[], bool],
+        poll_s: float,
+    ) -> None: ...
+
+
+class Probe(Protocol):
+    """How a runner checks its engine (see :class:`appliance.supervisor.probe.HttpProbe`)."""
+
+    def open(self) -> None: ...
+    async def close(self) -> None: ...
+    async def observe(self, api_key: str, timeout_s: float) -> Observation: ...
+    async def kv_usage(self, timeout_s: float) -> float | None: ...

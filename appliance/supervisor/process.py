@@ -1,0 +1,262 @@
+"""One engine's operating-system side: its processes, output, address and resources.
+
+:class:`EngineProcess` spawns the engine (a new key each time, its environment built
+explicitly, pinned to its cores), relays its output (prefixed, the key redacted), tells
+whether the TCP listener where the engine should be is its own, kills its whole process
+tree, and waits until its port and GPU memory are free again. It holds no lifecycle
+state: the engine's runner decides, this module does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+
+from appliance import endpoint, proctree
+from appliance.engine import EngineSpec, new_api_key, with_batched_tokens
+from appliance.telemetry import GpuReading
+
+log = logging.getLogger("appliance.supervisor")
+
+GPU_MEMORY_WAIT_S = 60.0
+PORT_FREE_WAIT_S = 30.0
+OUTPUT_TAIL_LINES = 30
+GPU_MEMORY_FREE_SHARE = 0.1  # below this share of a GPU's memory in use, it counts as free
+
+
+class EngineProcess:
+    """The processes of one engine, across its spawns."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        self.spec = spec
+        self.api_key = ""  # this spawn's engine key (new at every spawn)
+        self.output_tail: collections.deque[str] = collections.deque(maxlen=OUTPUT_TAIL_LINES)
+        self._proc: asyncio.subprocess.Process | None = None
+        self._relay: asyncio.Task[None] | None = None
+        self._members: proctree.Members = {}  # its tree, last seen whole
+
+    @property
+    def started(self) -> bool:
+        """Whether the last spawn started a process."""
+        return self._proc is not None
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.returncode if self._proc is not None else None
+
+    @property
+    def pid(self) -> int | None:
+        """The API server's pid while it runs."""
+        if self._proc is None or self._proc.returncode is not None:
+            return None
+        return self._proc.pid
+
+    def port_taken(self) -> bool:
+        """With engine.listen = "tcp": whether someone else holds the engine's port (logged;
+        that process is neither used nor killed)."""
+        port = self.spec.address.port
+        if port is None or proctree.port_is_free(port):
+            return False
+        log.error(
+            "%s: port %d is already in use by %s; not starting there and "
+            "not killing it: stop that process or change engine.port_base",
+            self.spec.name,
+            port,
+            endpoint.describe_listener(port),
+        )
+        return True
+
+    def remove_stale_socket(self) -> None:
+        if self.spec.address.uds is not None:
+            endpoint.remove_stale_socket(self.spec.address.uds)
+
+    async def spawn(self, batched_tokens: int | None) -> None:
+        """Start the engine with a new key (``started`` says whether it did)."""
+        spec = self.spec
+        # A new key per spawn: a key that leaked (a command line, a core dump) is
+        # worthless once the engine it belonged to is gone.
+        self.api_key = new_api_key()
+        argv = with_batched_tokens(spec.argv_with_key(self.api_key), batched_tokens)
+        log.info(
+            "%s: starting on %s, listening on %s: %s",
+            spec.name,
+            f"GPU {spec.gpu}" if spec.gpu is not None else "CPU",
+            spec.address,
+            " ".join(argv).replace(self.api_key, "***"),
+        )
+        # Output goes through a pipe of our own rather than asyncio's subprocess pipes:
+        # vLLM's orphaned children keep the write end open after the API server dies, and
+        # asyncio's Process.wait() waits for its pipes to close, so a crash would go
+        # unnoticed for as long as an orphan lives.
+        rfd, wfd = os.pipe()
+        try:
+            self._proc = await asyncio.create_subprocess_exec(
+                *argv,
+                env=spec.env_with_key(self.api_key),
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=wfd,
+                stderr=wfd,
+                start_new_session=True,
+            )
+        except OSError as exc:
+            os.close(rfd)
+            log.error("%s: cannot start %s: %s", spec.name, spec.argv[0], exc)
+            self._proc = None
+            return
+        finally:
+            os.close(wfd)
+        if spec.cpus:
+            # Set before the child gets far: the interpreter needs a few ms to start and
+            # vLLM's first children come seconds later, so the whole tree inherits it.
+            try:
+                os.sched_setaffinity(self._proc.pid, spec.cpus)
+            except OSError as exc:
+                log.warning("%s: cannot pin to cores %s: %s", spec.name, spec.cpus, exc)
+        self._relay = asyncio.create_task(self._relay_output(rfd), name=f"relay-{spec.name}")
+
+    async def _relay_output(self, fd: int) -> None:
+        """Copy the engine tree's output to ours, line by line, prefixed and key-redacted."""
+        loop = asyncio.get_running_loop()
+        reader = asyncio.StreamReader(limit=1 << 20)
+        transport, _ = await loop.connect_read_pipe(
+            lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(fd, "rb", 0)
+        )
+        prefix = f"[{self.spec.name}] "
+        key = self.api_key  # this spawn's: the next spawn's relay has its own
+        out = sys.stdout
+        try:
+            while True:
+                try:
+                    raw = await reader.readline()
+                except (ValueError, asyncio.LimitOverrunError):
+                    continue  # an over-long line: drop it rather than stop relaying
+                if not raw:
+                    return
+                line = raw.decode("utf-8", "replace").rstrip().replace(key, "***")
+                self.output_tail.append(line)
+                out.write(prefix + line + "\n")
+                out.flush()
+        finally:
+            transport.close()
+
+    async def wait(self) -> int:
+        """Until the API server exits; its return code."""
+        assert self._proc is not None
+        return await self._proc.wait()
+
+    async def wait_exit(self, timeout_s: float) -> None:
+        """Until the API server exits or ``timeout_s`` passes, whichever is first."""
+        if self._proc is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self._proc.wait()), timeout_s)
+
+    def log_exit(self, when: str) -> None:
+        code = self.returncode or 0
+        how = f"signal {signal.Signals(-code).name}" if code < 0 else f"status {code}"
+        tail = "\n    ".join(list(self.output_tail)[-10:])
+        log.error(
+            "%s: exited with %s %s%s",
+            self.spec.name,
+            how,
+            when,
+            f"; last output:\n    {tail}" if tail else "",
+        )
+
+    async def listener_is_ours(self) -> bool | None:
+        """Before the engine key goes anywhere: who listens where the engine should.
+
+        A Unix socket in our private directory can only be the engine's. A TCP port can
+        be bound by any local process while the engine is still importing, so the
+        listener's socket must be one the engine's own processes hold. True: ours;
+        None: nobody listens yet; False: someone else does (logged; never sent a key).
+        """
+        port = self.spec.address.port
+        if port is None:
+            return True
+        if self._proc is None:
+            return None
+        pids = await asyncio.to_thread(proctree.tree_pids, self._proc.pid)
+        ours = await asyncio.to_thread(endpoint.tcp_listener_is_ours, port, pids)
+        if ours is False:
+            who = await asyncio.to_thread(endpoint.describe_listener, port)
+            log.error(
+                "%s: port %d is held by %s, not by the engine's own processes: nothing "
+                "was sent to it and the engine is not used; stop that process or use "
+                'engine.listen = "unix"',
+                self.spec.name,
+                port,
+                who,
+            )
+        return ours
+
+    async def remember_tree(self) -> None:
+        """Note the whole tree once the engine is up (its orphans are killed with it)."""
+        if self.pid is not None:
+            _, self._members = await asyncio.to_thread(proctree.tree_snapshot, self.pid)
+
+    async def sample_tree(self) -> int | None:
+        """The tree's RSS now (None: unknown); members seen are remembered too."""
+        if self.pid is None:
+            return None
+        rss, members = await asyncio.to_thread(proctree.tree_snapshot, self.pid)
+        self._members.update(members)
+        return rss
+
+    async def kill_tree(self, timeout_s: float) -> None:
+        """SIGTERM the whole tree, SIGKILL what is left after ``timeout_s``, reap."""
+        proc = self._proc
+        root = proc.pid if proc is not None else None
+        if proc is not None and proc.returncode is not None:
+            # The API server is gone: what is left has no clients and nothing to finish
+            # gracefully, and vLLM's orphaned EngineCore takes 10-20 s to obey SIGTERM.
+            timeout_s = min(timeout_s, 1.0)
+        result = await asyncio.to_thread(
+            proctree.kill_tree, self.spec.tag, root, timeout_s, dict(self._members)
+        )
+        self._members.clear()
+        if proc is not None:
+            with contextlib.suppress(TimeoutError, ProcessLookupError):
+                await asyncio.wait_for(proc.wait(), 5.0)
+        if result.killed:
+            log.warning("%s: %d process(es) needed SIGKILL", self.spec.name, result.killed)
+        if result.left:
+            log.error("%s: %d process(es) survived SIGKILL", self.spec.name, result.left)
+
+    async def wait_resources_free(
+        self,
+        reading: Callable[[], GpuReading | None],
+        stopping: Callable[[], bool],
+        poll_s: float,
+    ) -> None:
+        """Until its TCP port is free (bounded) and, on a GPU, its memory released."""
+        port = self.spec.address.port
+        deadline = time.monotonic() + PORT_FREE_WAIT_S
+        while port is not None and not proctree.port_is_free(port):
+            if time.monotonic() > deadline or proctree.port_holder(port) is not None:
+                break  # someone else's now: reported when we try to start
+            await asyncio.sleep(0.2)
+        if self.spec.gpu is None:
+            return
+        # vLLM's orphans used to keep GPU memory after the API server died (vllm#55510);
+        # a new engine started before it is released fails to allocate its KV cache.
+        deadline = time.monotonic() + GPU_MEMORY_WAIT_S
+        while time.monotonic() < deadline and not stopping():
+            r = reading()
+            if r is None or r.memory_used_bytes is None or r.memory_total_bytes is None:
+                return
+            if r.memory_used_bytes < GPU_MEMORY_FREE_SHARE * r.memory_total_bytes:
+                return
+            await asyncio.sleep(poll_s)
+        log.warning(
+            "%s: GPU %d memory still in use after %.0f s; starting anyway",
+            self.spec.name,
+            self.spec.gpu,
+            GPU_MEMORY_WAIT_S,
+        )

@@ -1,0 +1,451 @@
+"""One engine's runner: the only code that changes that engine's state.
+
+::
+
+    spawn ─► wait ready ─► watch (health, degradation, planned restarts) ─► stop tree ─┐
+      ▲                                                                                │
+      └──────────────────────────── backoff (unplanned) ◄──────────────────────────────┘
+
+One task per engine runs :meth:`EngineRunner.run`. Nobody else writes its state: others
+read :meth:`EngineRunner.status` (a frozen copy) and ask for changes through its inbox
+(an ``asyncio.Queue`` of :mod:`commands <appliance.supervisor.commands>`): an admin's
+drain, resume or restart, the heat loop's restart, a nudge to look again. The task
+answers commands at every await, even in the middle of a health check or a kill, so an
+asker waits for a decision, never for a slow engine. :meth:`EngineRunner._set_state`
+refuses a call from any other task: a write from outside is a bug that raises, as an
+illegal transition does.
+
+What the runner keeps has owners: the processes (:class:`ProcessHandle`), the checks
+(:class:`Probe`, the health history and :class:`DegradationWatch`), the restart record
+and budgets (:class:`RestartBook`), and the lifecycle itself (state, the restart asked
+for, the heat-reduced batch size).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from appliance.control import CommandResult, EngineStatus
+from appliance.engine import EngineSpec, EngineState, RestartReason, check_transition
+from appliance.errors import IllegalTransition
+from appliance.health import Verdict
+from appliance.supervisor.budget import PLANNED_REASONS, RestartBook
+from appliance.supervisor.commands import (
+    Command,
+    Drain,
+    HeatRestart,
+    Nudge,
+    Probe,
+    ProcessHandle,
+    Restart,
+    Resume,
+    RunnerHost,
+)
+from appliance.supervisor.inbox import Inbox
+from appliance.supervisor.planned import PlannedRestart
+from appliance.supervisor.watch import HealthWatch
+
+log = logging.getLogger("appliance.supervisor")
+
+STABLE_AFTER_S = 60.0  # READY this long resets the crash backoff
+KV_POLL_S = 0.5  # KV usage reads while an engine's KV breaker is open
+UNRESPONSIVE_GRACE_S = 2.0  # SIGTERM → SIGKILL for a hung engine (not engine.stop_timeout_s)
+STARTUP_POLL_S = 0.5
+DRAIN_POLL_S = 0.1
+# An admin restart is refused only while the engine is already going down.
+RESTARTABLE = frozenset(EngineState) - {EngineState.STOPPING}
+
+
+class EngineRunner:
+    """Starts, watches and restarts one engine, from one task; see the module docstring."""
+
+    def __init__(
+        self, spec: EngineSpec, host: RunnerHost, process: ProcessHandle, probe: Probe
+    ) -> None:
+        self.spec = spec
+        self._host = host
+        self._process = process  # its processes, key and output
+        self._inbox = Inbox(self._obey)  # commands, answered by this runner's task
+        config = lambda: host.config  # noqa: E731  (the config in force, at each use)
+        self._health = HealthWatch(process, probe, self._inbox, config)  # what checks learned
+        self._book = RestartBook()  # its restarts and both budgets
+        self._plan = PlannedRestart(spec, self._book, config)  # restart asked for, batch size
+        self._task: asyncio.Task[Any] | None = None  # the one task allowed to change state
+        self._state = EngineState.EXITED  # where it is in its life
+        self._ready_since: float | None = None
+
+    # ---- what others may read and ask -----------------------------------------------
+    @property
+    def id(self) -> int:
+        return self.spec.id
+
+    @property
+    def state(self) -> EngineState:
+        return self._state
+
+    @property
+    def heat_reduced(self) -> bool:
+        """Whether it runs with heat-reduced --max-num-batched-tokens."""
+        return self._plan.batched_tokens is not None
+
+    def status(self) -> EngineStatus:
+        obs, book = self._health.observed, self._book
+        return EngineStatus(
+            id=self.spec.id,
+            gpu=self.spec.gpu,
+            address=self.spec.address,
+            state=self._state,
+            api_key=self._process.api_key,
+            served_model_name=self.spec.served_model_name,
+            pid=self._process.pid,
+            restarts=book.restarts,
+            restarts_by_reason=dict(book.by_reason),
+            last_restart_reason=book.last_reason,
+            kv_cache_usage=obs.kv_cache_usage if obs else None,
+            running=obs.running if obs else None,
+            waiting=obs.waiting if obs else None,
+            preemptions_total=obs.preemptions_total if obs else None,
+            generation_tokens=obs.generation_tokens if obs else None,
+        )
+
+    async def ask(self, command: Command) -> CommandResult:
+        """Hand ``command`` to the runner's task; its answer (the caller bounds the wait)."""
+        return await self._inbox.ask(command)
+
+    def tell(self, command: Command) -> None:
+        """Hand ``command`` to the runner's task, wanting no answer."""
+        self._inbox.tell(command)
+
+    def open(self) -> None:
+        self._health.open()
+
+    async def close(self) -> None:
+        await self._health.close()
+
+    async def kill_now(self, timeout_s: float) -> None:
+        """At exit, after run() returned: whatever happened, no engine process outlives us."""
+        await self._process.kill_tree(timeout_s)
+
+    # ---- commands, carried out by the runner's task ----------------------------------
+    def _answer(self, ok: bool, message: str = "") -> CommandResult:
+        return CommandResult(ok, self._state, message)
+
+    def _obey(self, command: Command) -> CommandResult:
+        match command:
+            case Drain(force=force):
+                return self._drain(force)
+            case Resume():
+                return self._resume()
+            case Restart(reason=reason):
+                return self._restart(reason)
+            case HeatRestart():
+                # Only a READY engine is restarted for heat; then its next nap acts.
+                if self._state is EngineState.READY and self._plan.heat(command):
+                    self._inbox.wake()
+            case Nudge():
+                self._inbox.wake()
+        return self._answer(True)
+
+    def _drain(self, force: bool) -> CommandResult:
+        """An admin's drain: no new work until resumed; in-flight work finishes."""
+        if self._state is EngineState.DRAINING:
+            return self._answer(True)
+        if self._state not in (EngineState.READY, EngineState.SUSPECT):
+            return self._answer(
+                False, f"engine {self.id} is {self._state.value}; only a READY engine drains"
+            )
+        if not force and not self._host.coordinator.others_serving(self.id):
+            return self._answer(
+                False,
+                f"engine {self.id} is the last engine serving: draining it stops the "
+                "service for every user; add ?force=true to drain it anyway",
+            )
+        self._set_state(EngineState.DRAINING)
+        return self._answer(True)
+
+    def _resume(self) -> CommandResult:
+        if self._state is not EngineState.DRAINING or self._plan.requested is not None:
+            return self._answer(
+                False, f"engine {self.id} is {self._state.value}; only a drained engine resumes"
+            )
+        self._set_state(EngineState.READY)
+        return self._answer(True)
+
+    def _restart(self, reason: RestartReason) -> CommandResult:
+        if self._state not in RESTARTABLE:
+            return self._answer(
+                False, f"engine {self.id} is {self._state.value} and cannot be restarted now"
+            )
+        self._plan.requested = reason
+        self._inbox.wake()
+        return self._answer(True)
+
+    # ---- the life of the engine ------------------------------------------------------
+    def _set_state(self, new: EngineState) -> None:
+        if asyncio.current_task() is not self._task:
+            raise IllegalTransition(
+                f"{self.spec.name}: state {new.value} set outside the engine's runner task"
+            )
+        old = self._state
+        if old is new:
+            return
+        check_transition(old, new)
+        self._state = new
+        self._ready_since = time.monotonic() if new is EngineState.READY else None
+        log.info("%s: %s -> %s", self.spec.name, old.value, new.value)
+        self._host.state_changed(self.id, new)
+
+    async def run(self) -> None:
+        """Start, watch and restart the engine until the daemon stops (the runner's task)."""
+        self._task = asyncio.current_task()
+        try:
+            while not self._host.stopping:
+                if self._state is EngineState.FAILED:
+                    await self._inbox.nap(None)  # down until an admin asks for a restart
+                    if self._host.stopping or self._plan.requested is None:
+                        continue
+                reason = await self._start_and_watch()
+                await self._stop(reason)
+                if self._host.stopping or reason is None:
+                    break
+                if self._book_restart(reason) and reason not in PLANNED_REASONS:
+                    await self._back_off(reason)
+        finally:
+            self._inbox.close(
+                lambda: self._answer(
+                    False, f"engine {self.id} is {self._state.value}; the daemon is stopping"
+                )
+            )
+
+    def _book_restart(self, reason: RestartReason) -> bool:
+        """Count the restart; False when the crash budget is spent (the engine is FAILED)."""
+        limit = self._host.config.restart.max_restarts_per_hour
+        if self._book.book(reason, time.monotonic(), limit):
+            return True
+        log.error(
+            "%s: more than %d restarts within an hour; FAILED until an "
+            "admin restarts it (last reason: %s)",
+            self.spec.name,
+            limit,
+            reason.value,
+        )
+        self._set_state(EngineState.FAILED)
+        return False
+
+    async def _back_off(self, reason: RestartReason) -> None:
+        """Wait before an unplanned restart, longer for each in a row (ends at a stop)."""
+        cfg = self._host.config.restart
+        delay = self._book.next_backoff(cfg.backoff_initial_s, cfg.backoff_max_s)
+        log.warning(
+            "%s: restarting in %.1f s (reason: %s, failure %d in a row)",
+            self.spec.name,
+            delay,
+            reason.value,
+            self._book.consecutive_failures,
+        )
+        deadline = time.monotonic() + delay
+        while not self._host.stopping and (left := deadline - time.monotonic()) > 0:
+            await self._inbox.nap(left)
+
+    async def _start_and_watch(self) -> RestartReason | None:
+        """Spawn, wait until ready, watch. The reason it must go down, or None to stop."""
+        if self._state is EngineState.FAILED:
+            self._book.fresh_budget()  # an admin's restart: a new budget, no backoff
+        self._plan.started()
+        self._health.degradation.restart()
+        self._inbox.clear()
+        if self._process.port_taken():
+            self._set_state(EngineState.STARTING)
+            return RestartReason.CRASH
+        self._process.remove_stale_socket()
+        self._set_state(EngineState.STARTING)
+        await self._inbox.busy(self._process.spawn(self._plan.batched_tokens))
+        reason = await self._wait_ready()
+        if reason is not None or self._host.stopping:
+            return None if self._host.stopping else reason
+        self._set_state(EngineState.READY)
+        return await self._watch()
+
+    async def _wait_ready(self) -> RestartReason | None:
+        """Until a real completion comes back: None, or why the start failed."""
+        proc = self._process
+        if not proc.started:
+            return RestartReason.CRASH
+        deadline = time.monotonic() + self._host.config.engine.startup_timeout_s
+        while not self._host.stopping:
+            if proc.returncode is not None:
+                proc.log_exit("while starting")
+                return RestartReason.CRASH
+            if time.monotonic() > deadline:
+                log.error(
+                    "%s: not ready after %.0f s (engine.startup_timeout_s)",
+                    self.spec.name,
+                    self._host.config.engine.startup_timeout_s,
+                )
+                return RestartReason.STARTUP_TIMEOUT
+            answered = await self._health.answered()
+            if answered is False:
+                return RestartReason.CRASH  # someone else's listener: named in the log
+            if answered:
+                return None
+            await self._inbox.busy(proc.wait_exit(STARTUP_POLL_S))
+        return None
+
+    async def _watch(self) -> RestartReason | None:
+        """Watch a READY engine until it dies, hangs, or a restart or stop is asked for."""
+        exited = asyncio.ensure_future(self._process.wait())
+        last_check = time.monotonic()
+        try:
+            while True:
+                # From the config each time round: a reload's health.interval_s applies to
+                # engines already running (the reload nudges this loop).
+                next_check = last_check + self._host.config.health.interval_s
+                # While its KV breaker is open the engine gets nothing new: read its KV
+                # usage often, so it is back in service soon after the pressure falls,
+                # not up to a whole health interval later.
+                kv_poll = self._host.link.kv_tripped(self.id)
+                timeout = max(0.0, next_check - time.monotonic())
+                if kv_poll:
+                    timeout = min(timeout, KV_POLL_S)
+                woken = await self._inbox.nap(timeout, exited)
+                if exited.done():
+                    self._process.log_exit("while serving")
+                    return RestartReason.CRASH
+                if self._host.stopping:
+                    return None
+                if self._plan.requested is not None and (reason := await self._planned()):
+                    return reason
+                if time.monotonic() < next_check:
+                    if kv_poll and not woken:
+                        usage = await self._health.kv_usage()
+                        self._host.link.observe_kv(self.id, usage)
+                    continue
+                last_check = time.monotonic()
+                if reason := await self._check():
+                    return reason
+        finally:
+            exited.cancel()
+
+    async def _planned(self) -> RestartReason | None:
+        """The restart asked for, once the coordinator lets this engine go (drained
+        first); None while it must wait (said once)."""
+        reason = self._plan.requested
+        assert reason is not None
+        why = self._host.coordinator.may_take_out(self.id)
+        if why is not None:
+            if not self._plan.wait_logged:
+                log.info("%s: %s restart waits: %s", self.spec.name, reason.value, why)
+                self._plan.wait_logged = True
+            return None
+        self._host.coordinator.begin(self.id)
+        log.info("%s: %s restart: draining first", self.spec.name, reason.value)
+        await self._drain_for_restart()
+        return reason
+
+    async def _check(self) -> RestartReason | None:
+        """One health pass, and what the runner does about it: the reason to replace the
+        engine, or None."""
+        if (
+            self._state is EngineState.READY
+            and self._ready_since is not None
+            and time.monotonic() - self._ready_since > STABLE_AFTER_S
+        ):
+            self._book.consecutive_failures = 0
+        health = self._host.config.health
+        out = await self._health.check(self._ready_since)
+        if out.listener_lost:
+            return RestartReason.CRASH  # named in the log; nothing was sent to it
+        if out.verdict is None or out.observation is None:
+            return None  # it exited: the watch sees that at the top
+        self._host.link.observe_kv(self.id, out.observation.kv_cache_usage)
+        self._mark_suspect(out.verdict)
+        if out.verdict is Verdict.SUSPECT:
+            log.warning(
+                "%s: health check failed (%d/%d): %s",
+                self.spec.name,
+                self._health.history.consecutive_failures,
+                health.failures_to_restart,
+                out.observation.detail,
+            )
+        elif out.verdict is Verdict.HUNG:
+            log.error(
+                "%s: hung (%s) and no tokens flowing; replacing it",
+                self.spec.name,
+                out.observation.detail,
+            )
+            return RestartReason.HUNG
+        elif out.degradation is not None:
+            failures = self._health.history.consecutive_failures
+            if self._plan.degraded(out.degradation, failures):
+                self._health.degradation.clear()  # its verdict must not come again meanwhile
+        return None
+
+    def _mark_suspect(self, verdict: Verdict) -> None:
+        """A failed check takes a READY engine out of routing at once; a good one puts it
+        back. Only a DRAINING engine (drained or being restarted) is left as it is."""
+        if verdict is Verdict.HEALTHY and self._state is EngineState.SUSPECT:
+            self._set_state(EngineState.READY)
+        elif verdict is not Verdict.HEALTHY and self._state is EngineState.READY:
+            self._set_state(EngineState.SUSPECT)  # state_changed tells the gateway
+
+    async def _drain_for_restart(self) -> None:
+        """Stop routing to it and let in-flight work finish (bounded)."""
+        if self._state in (EngineState.READY, EngineState.SUSPECT):
+            self._set_state(EngineState.DRAINING)
+        link = self._host.link
+        deadline = time.monotonic() + self._host.config.restart.drain_timeout_s
+        while link.inflight(self.id) > 0 and not self._host.stopping:
+            if time.monotonic() > deadline:
+                log.warning(
+                    "%s: %d request(s) still running after %.0f s of draining; restarting anyway",
+                    self.spec.name,
+                    link.inflight(self.id),
+                    self._host.config.restart.drain_timeout_s,
+                )
+                # Those not yet answering move to another engine now, not at the kill.
+                link.abandon(self.id, "the engine was restarted after draining")
+                break
+            await self._inbox.busy(asyncio.sleep(DRAIN_POLL_S))
+
+    async def _stop(self, reason: RestartReason | None) -> None:
+        """Take the engine down: SIGTERM its tree, SIGKILL what stays, wait for its port."""
+        if self._state in (
+            EngineState.STARTING,
+            EngineState.READY,
+            EngineState.SUSPECT,
+            EngineState.DRAINING,
+        ):
+            self._set_state(EngineState.STOPPING)
+        host = self._host
+        timeout = 0.0 if host.fast_stop else host.config.engine.stop_timeout_s
+        if reason in (RestartReason.HUNG, RestartReason.STARTUP_TIMEOUT):
+            # It has not answered for a while: it will not shut down gracefully either
+            # (a SIGSTOPped tree does not even see SIGTERM), so kill it soon.
+            timeout = min(timeout, UNRESPONSIVE_GRACE_S)
+        if reason is RestartReason.HUNG:
+            # Its requests would stay stuck until it dies: give them up now, so those
+            # with no byte sent yet are retried elsewhere at once.
+            moved = host.link.abandon(self.id, "the engine stopped answering")
+            if moved:
+                log.warning(
+                    "%s: gave up %d request(s) on the hung engine; those not yet "
+                    "answering are retried on another engine",
+                    self.spec.name,
+                    moved,
+                )
+        await self._inbox.busy(self._process.kill_tree(timeout))
+        if self._state is not EngineState.FAILED:
+            self._set_state(EngineState.EXITED)
+        if host.stopping:
+            return
+        gpu = self.spec.gpu
+        await self._inbox.busy(
+            self._process.wait_resources_free(
+                lambda: host.gpu_reading(gpu) if gpu is not None else None,
+                lambda: host.stopping,
+                host.config.telemetry.interval_s,
+            )
+        )
