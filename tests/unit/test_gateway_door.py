@@ -1,0 +1,343 @@
+"""The gateway, in-process, against a fake appliance that is the door and nothing more.
+
+The gateway app (``create_app``) is built over :class:`FakeAppliance`, which has exactly
+the members of ``appliance.control.ApplianceView`` and ``EngineCommands`` and
+``__slots__``: should the gateway reach for anything else of the supervisor (its engine
+records, its plan, its readings), the attribute does not exist and the request fails.
+Two in-process fake engines (``tests/fakes/fake_engine.py`` on test servers) answer the
+relayed requests. A client talks to the gateway over real HTTP; no subprocess.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from appliance.config import Config, parse_config
+from appliance.control import (
+    ApplianceStatus,
+    ApplianceView,
+    CommandResult,
+    EngineCommands,
+    EngineStatus,
+    GpuStatus,
+)
+from appliance.endpoint import EngineAddress
+from appliance.engine import EngineState
+from appliance.gateway import admin
+from appliance.gateway.app import GATEWAY, create_app
+from appliance.telemetry import GpuReading
+from tests.fakes.fake_engine import FakeEngine, parse_args
+
+# The middleware stores the caller's key record under a plain string, which aiohttp warns about.
+pytestmark = pytest.mark.filterwarnings("ignore::aiohttp.web_exceptions.NotAppKeyWarning")
+
+MODEL = "m"
+ENGINE_KEY = "eng-test-key"
+READY, DRAINING = EngineState.READY, EngineState.DRAINING
+
+
+class FakeAppliance:
+    """The door's members and nothing else (``__slots__``: no attribute may be added or
+    read beyond them). Commands answer with what ``_answers`` holds (None: never)."""
+
+    __slots__ = ("_accepting", "_answers", "_asked", "_config", "_engines")
+    __slots__ += ("_gpus", "_last_tick")
+
+    def __init__(self, config: Config, engines: list[EngineStatus]) -> None:
+        self._config = config
+        self._engines = engines
+        self._accepting = True
+        self._last_tick = time.monotonic()
+        self._gpus: tuple[GpuStatus, ...] = ()
+        self._answers: dict[str, CommandResult | None] = {}
+        self._asked: list[tuple[str, int, dict[str, Any]]] = []
+
+    @property
+    def config(self) -> Config:
+        return self._config
+
+    @property
+    def accepting(self) -> bool:
+        return self._accepting
+
+    @property
+    def last_tick(self) -> float:
+        return self._last_tick
+
+    @property
+    def started_at(self) -> float:
+        return 1_700_000_000.0
+
+    def engines(self) -> tuple[EngineStatus, ...]:
+        return tuple(self._engines)
+
+    def engine(self, engine_id: int) -> EngineStatus:
+        return self._engines[engine_id]
+
+    def status(self) -> ApplianceStatus:
+        return ApplianceStatus(
+            started_at=self.started_at,
+            device="cpu",
+            accepting=self._accepting,
+            ready=self._accepting and any(e.state is READY for e in self._engines),
+            engines=self.engines(),
+            gpus=self._gpus,
+        )
+
+    async def _command(self, name: str, engine_id: int, **kw: Any) -> CommandResult:
+        self._asked.append((name, engine_id, kw))
+        answer = self._answers.get(name)
+        if answer is None:
+            await asyncio.Event().wait()  # a runner that never answers
+        assert answer is not None
+        return answer
+
+    async def restart(self, engine_id: int) -> CommandResult:
+        return await self._command("restart", engine_id)
+
+    async def drain(self, engine_id: int, *, force: bool = False) -> CommandResult:
+        return await self._command("drain", engine_id, force=force)
+
+    async def resume(self, engine_id: int) -> CommandResult:
+        return await self._command("resume", engine_id)
+
+
+def public(cls: type) -> set[str]:
+    return {n for n in vars(cls) if not n.startswith("_")}
+
+
+def test_the_fake_appliance_is_the_door_and_nothing_more() -> None:
+    assert public(FakeAppliance) == public(ApplianceView) | public(EngineCommands)
+    fake = FakeAppliance(parse_config({}), [])
+    with pytest.raises(AttributeError):
+        fake.plan = None  # type: ignore[attr-defined]
+
+
+@dataclasses.dataclass
+class Box:
+    client: TestClient[Any, Any]
+    appliance: FakeAppliance
+    engines: list[FakeEngine]
+    user: str
+    admin: str
+    metrics: str
+
+    def auth(self, key: str) -> dict[str, str]:
+        return {"Authorization": f"Bearer {key}"}
+
+    def set_state(self, engine_id: int, state: EngineState) -> None:
+        engines = self.appliance._engines
+        engines[engine_id] = dataclasses.replace(engines[engine_id], state=state)
+
+    async def complete(self, key: str | None = None) -> tuple[int, dict[str, Any]]:
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+        headers = self.auth(key or self.user)
+        async with self.client.post("/v1/completions", json=body, headers=headers) as resp:
+            return resp.status, await resp.json()
+
+    async def admin_post(self, path: str) -> tuple[int, dict[str, Any]]:
+        async with self.client.post(path, headers=self.auth(self.admin)) as resp:
+            return resp.status, await resp.json()
+
+
+@contextlib.asynccontextmanager
+async def fake_engine() -> AsyncIterator[tuple[FakeEngine, int]]:
+    args, _ = parse_args(
+        ["--api-key", ENGINE_KEY, "--served-model-name", MODEL, "--token-delay-ms", "0"]
+    )
+    args.disable_uvicorn_access_log = True
+    engine = FakeEngine(args)
+    async with TestServer(engine.make_app()) as server:
+        assert server.port is not None
+        yield engine, server.port
+
+
+@pytest.fixture
+async def box(tmp_path: Path) -> AsyncIterator[Box]:
+    config = parse_config({"gateway": {"keys_file": str(tmp_path / "keys.json")}})
+    async with fake_engine() as (e0, port0), fake_engine() as (e1, port1):
+        statuses = [
+            EngineStatus(i, None, EngineAddress(port=p), READY, ENGINE_KEY, MODEL)
+            for i, p in enumerate((port0, port1))
+        ]
+        appliance = FakeAppliance(config, statuses)
+        app = create_app(appliance)
+        keys = app[GATEWAY].keys
+        _, user = keys.create("user", ["user"])
+        _, admin_key = keys.create("admin", ["admin"])
+        _, metrics = keys.create("metrics", ["metrics"])
+        async with TestClient(TestServer(app)) as client:
+            yield Box(client, appliance, [e0, e1], user, admin_key, metrics)
+
+
+# ---- auth ------------------------------------------------------------------------------
+async def test_a_request_without_a_key_or_with_a_bad_one_is_401(box: Box) -> None:
+    async with box.client.get("/v1/models") as resp:
+        assert resp.status == 401
+        assert resp.headers["WWW-Authenticate"].startswith("Bearer")
+        assert (await resp.json())["error"]["code"] == "missing_api_key"
+    async with box.client.get("/v1/models", headers=box.auth("sk-la-nope")) as resp:
+        assert resp.status == 401
+        assert (await resp.json())["error"]["code"] == "invalid_api_key"
+
+
+async def test_scopes_decide_what_a_key_reaches(box: Box) -> None:
+    async with box.client.get("/admin/status", headers=box.auth(box.user)) as resp:
+        assert resp.status == 403
+        assert (await resp.json())["error"]["code"] == "insufficient_scope"
+    async with box.client.get("/metrics", headers=box.auth(box.metrics)) as resp:
+        assert resp.status == 200
+    async with box.client.get("/v1/models", headers=box.auth(box.user)) as resp:
+        assert resp.status == 200
+        assert [m["id"] for m in (await resp.json())["data"]] == [MODEL]
+
+
+# ---- admission and routing ---------------------------------------------------------------
+async def test_requests_go_to_the_engine_that_takes_work(box: Box) -> None:
+    box.set_state(0, DRAINING)
+    for _ in range(3):
+        assert (await box.complete())[0] == 200
+    assert [e.requests for e in box.engines] == [0, 3]
+    box.set_state(0, READY)
+    box.set_state(1, DRAINING)
+    assert (await box.complete())[0] == 200
+    assert [e.requests for e in box.engines] == [1, 3]
+
+
+async def test_an_unknown_model_is_404(box: Box) -> None:
+    headers = box.auth(box.user)
+    body = {"model": "gpt-9", "prompt": "hi"}
+    async with box.client.post("/v1/completions", json=body, headers=headers) as resp:
+        assert resp.status == 404
+        assert (await resp.json())["error"]["code"] == "model_not_found"
+
+
+async def test_a_stopping_appliance_refuses_new_work(box: Box) -> None:
+    box.appliance._accepting = False
+    status, body = await box.complete()
+    assert (status, body["error"]["code"]) == (503, "shutting_down")
+    async with box.client.get("/readyz") as resp:
+        assert resp.status == 503
+        assert (await resp.json())["status"] == "stopping"
+
+
+async def test_no_engine_able_to_take_work_is_503_and_readyz_says_why(box: Box) -> None:
+    box.set_state(0, EngineState.FAILED)
+    box.set_state(1, EngineState.FAILED)
+    status, body = await box.complete()
+    assert (status, body["error"]["code"]) == (503, "no_engine")
+    box.set_state(1, DRAINING)
+    async with box.client.get("/readyz") as resp:
+        assert resp.status == 503
+        assert (await resp.json())["reasons"] == {"0": "failed", "1": "draining"}
+
+
+async def test_healthz_follows_the_supervisor_loop_s_tick(box: Box) -> None:
+    async with box.client.get("/healthz") as resp:
+        assert resp.status == 200
+    box.appliance._last_tick = time.monotonic() - 60
+    async with box.client.get("/healthz") as resp:
+        assert resp.status == 503
+
+
+# ---- admin commands: the runner's answer becomes the status code -----------------------
+async def test_drain_is_asked_and_the_answer_is_200_or_409(box: Box) -> None:
+    box.appliance._answers["drain"] = CommandResult(True, DRAINING)
+    assert await box.admin_post("/admin/engines/1/drain") == (200, {"id": 1, "state": "DRAINING"})
+    await box.admin_post("/admin/engines/0/drain?force=true")
+    assert box.appliance._asked == [("drain", 1, {"force": False}), ("drain", 0, {"force": True})]
+    why = "engine 1 is the last engine serving: ...; add ?force=true to drain it anyway"
+    box.appliance._answers["drain"] = CommandResult(False, READY, why)
+    status, body = await box.admin_post("/admin/engines/1/drain")
+    assert (status, body["error"]["code"], body["error"]["message"]) == (409, "cannot_drain", why)
+
+
+async def test_restart_is_202_when_asked_for_and_409_when_refused(box: Box) -> None:
+    box.appliance._answers["restart"] = CommandResult(True, READY)
+    assert await box.admin_post("/admin/engines/0/restart") == (
+        202,
+        {"id": 0, "action": "restart", "accepted": True},
+    )
+    why = "engine 0 is STOPPING and cannot be restarted now"
+    box.appliance._answers["restart"] = CommandResult(False, EngineState.STOPPING, why)
+    status, body = await box.admin_post("/admin/engines/0/restart")
+    assert (status, body["error"]["code"], body["error"]["message"]) == (409, "engine_busy", why)
+
+
+async def test_resume_answers_with_the_engine_s_state(box: Box) -> None:
+    box.appliance._answers["resume"] = CommandResult(True, READY)
+    assert await box.admin_post("/admin/engines/0/resume") == (200, {"id": 0, "state": "READY"})
+    box.appliance._answers["resume"] = CommandResult(False, READY, "engine 0 is READY; ...")
+    assert (await box.admin_post("/admin/engines/0/resume"))[0] == 409
+
+
+async def test_engine_ids_are_checked_before_anything_is_asked(box: Box) -> None:
+    assert (await box.admin_post("/admin/engines/7/drain"))[0] == 404
+    assert (await box.admin_post("/admin/engines/x/drain"))[0] == 400
+    assert box.appliance._asked == []
+
+
+async def test_a_runner_that_does_not_answer_is_a_bounded_wait(
+    box: Box, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(admin, "COMMAND_WAIT_S", 0.05)
+    status, body = await box.admin_post("/admin/engines/0/drain")
+    assert (status, body["error"]["code"]) == (503, "engine_busy")
+
+
+# ---- what the box shows: status document and metrics ------------------------------------
+def with_figures(box: Box) -> None:
+    box.appliance._engines[0] = dataclasses.replace(
+        box.appliance._engines[0],
+        restarts=2,
+        restarts_by_reason={"crash": 2},
+        last_restart_reason="crash",
+        kv_cache_usage=0.5,
+        running=3.0,
+    )
+    # Engine 0 of a CPU box is telemetry entry 0 (a sensors file can heat it).
+    box.appliance._gpus = (GpuStatus(GpuReading(0, temperature_c=82.0, power_w=90.0), 1),)
+
+
+async def test_the_status_document_is_the_appliance_s_status(box: Box) -> None:
+    with_figures(box)
+    async with box.client.get("/admin/status", headers=box.auth(box.admin)) as resp:
+        assert resp.status == 200
+        doc = await resp.json()
+    assert doc["device"] == "cpu"
+    assert (doc["accepting"], doc["ready"], doc["queue_depth"]) == (True, True, 0)
+    e0, e1 = doc["engines"]
+    assert (e0["state"], e0["restarts"], e0["restarts_by_reason"]) == ("READY", 2, {"crash": 2})
+    assert (e0["temperature_c"], e0["kv_cache_usage"], e0["requests_running"]) == (82.0, 0.5, 3.0)
+    assert (e1["temperature_c"], e1["kv_cache_usage"], e1["port"]) == (None, None, e1["port"])
+    assert [(g["index"], g["temperature_c"], g["throttle_level"]) for g in doc["gpus"]] == [
+        (0, 82.0, 1)
+    ]
+
+
+async def test_metrics_show_engines_gpus_and_throttle(box: Box) -> None:
+    with_figures(box)
+    async with box.client.get("/metrics", headers=box.auth(box.metrics)) as resp:
+        text = await resp.text()
+    for series in (
+        'appliance_engine_state{engine="0",state="READY"} 1.0',
+        'appliance_engine_state{engine="1",state="DRAINING"} 0.0',
+        'appliance_engine_restarts_total{engine="0",reason="crash"} 2.0',
+        'appliance_engine_kv_cache_usage{engine="0"} 0.5',
+        'appliance_engine_requests_running{engine="0"} 3.0',
+        'appliance_gpu_temperature_celsius{gpu="0"} 82.0',
+        'appliance_gpu_power_watts{gpu="0"} 90.0',
+        'appliance_throttle_level{gpu="0"} 1.0',
+        "appliance_queue_depth 0.0",
+    ):
+        assert series in text, series
+    assert 'appliance_engine_kv_cache_usage{engine="1"}' not in text
