@@ -15,10 +15,12 @@ asker waits for a decision, never for a slow engine. :meth:`EngineRunner._set_st
 refuses a call from any other task: a write from outside is a bug that raises, as an
 illegal transition does.
 
-What the runner keeps has owners: the processes (:class:`ProcessHandle`), the checks
-(:class:`Probe`, the health history and :class:`DegradationWatch`), the restart record
-and budgets (:class:`RestartBook`), and the lifecycle itself (state, the restart asked
-for, the heat-reduced batch size).
+What the runner keeps has owners: its processes (:class:`ProcessHandle`), what its
+checks learned (:class:`HealthWatch`), its restarts and budgets (:class:`RestartBook`),
+the restart it was asked for and the batch size of its next spawn
+(:class:`PlannedRestart`), and the lifecycle state itself, which only this class holds.
+The module is longer than most (~450 lines): it is one engine's whole life, kept in one
+place so that every move of its state is read in one file.
 """
 
 from __future__ import annotations
