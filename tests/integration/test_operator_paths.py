@@ -42,7 +42,7 @@ def test_a_reload_whose_config_file_is_gone_keeps_the_running_config(tmp_path: P
     must not put every default back in force."""
     cfg = fake_engine_config(tmp_path, 1, gateway={"queue_timeout_s": 2})
     with run_appliance(tmp_path, cfg, config_via_env=True) as app:
-        app.wait_ready()
+        app.wait_all_ready()
         config = tmp_path / "config.toml"
         moved = config.rename(tmp_path / "config.toml.swp")
         app.signal(signal.SIGHUP)
@@ -67,7 +67,7 @@ def test_health_interval_changed_by_reload_applies_to_running_engines(tmp_path: 
         health={"interval_s": 60, "probe_timeout_s": 1.0, "failures_to_restart": 100},
     )
     with run_appliance(tmp_path, cfg) as app:
-        app.wait_ready()
+        app.wait_all_ready()
         key = admin_key(tmp_path)
         config = tmp_path / "config.toml"
         config.write_text(config.read_text().replace("interval_s = 60", "interval_s = 0.5"))
@@ -94,7 +94,7 @@ def test_readyz_is_503_with_the_reason_while_heat_lets_no_engine_admit(tmp_path:
         tmp_path, 2, telemetry={"source": f"file:{sensors}", "interval_s": 0.1}
     )
     with run_appliance(tmp_path, cfg) as app:
-        app.wait_ready()
+        app.wait_all_ready()
         write_sensors(sensors, [95, 60])
         # One GPU at the hard limit: the other engine still admits, so the service is ready.
         app.wait_for(
@@ -141,7 +141,7 @@ def test_heat_restarts_do_not_spend_the_crash_budget_and_have_their_own(tmp_path
         return argv[argv.index("--max-num-batched-tokens") + 1]
 
     with run_appliance(tmp_path, cfg) as app:
-        app.wait_ready()
+        app.wait_all_ready()
         key = admin_key(tmp_path)
         write_sensors(sensors, [95])
         app.wait_for(lambda: batched() == "4096", 20, "heat restart with half the batch")
@@ -167,7 +167,7 @@ def test_heat_restarts_do_not_spend_the_crash_budget_and_have_their_own(tmp_path
 def test_draining_the_last_serving_engine_needs_force(tmp_path: Path) -> None:
     cfg = fake_engine_config(tmp_path, 2)
     with run_appliance(tmp_path, cfg) as app:
-        app.wait_ready()
+        app.wait_all_ready()
         key = admin_key(tmp_path)
         assert post(app, key, "/admin/engines/0/drain") == (200, {"id": 0, "state": "DRAINING"})
         code, body = post(app, key, "/admin/engines/1/drain")
