@@ -321,6 +321,8 @@ class Supervisor:
                 log.info("reload applied: %s", ", ".join(live))
                 for r in self._runners:
                     r.tell(Nudge())  # runners re-read their timers now
+                if self._heat is not None:
+                    self._heat.nudge()  # and the telemetry loop its interval
             if restart:
                 log.warning(
                     "reload: these keys changed but need a restart "

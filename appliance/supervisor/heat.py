@@ -12,6 +12,7 @@ restore them; the runner decides (it alone changes the engine).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -45,6 +46,7 @@ class HeatWatch:
         self.readings: dict[int, GpuReading] = {}  # telemetry index -> last reading
         self.levels: dict[int, int] = {}  # telemetry index -> throttle level
         self._runs: dict[int, LevelRun] = {}  # telemetry index -> its level since when
+        self._nudged = asyncio.Event()  # a reload: read again now, at the new interval
 
     def gpus(self) -> tuple[GpuStatus, ...]:
         return tuple(GpuStatus(r, self.levels.get(i, 0)) for i, r in sorted(self.readings.items()))
@@ -67,7 +69,13 @@ class HeatWatch:
                     log.warning("GPU telemetry read failed: %s", exc)
                     warned = True
             self.govern(runners, link(), time.monotonic())
-            await asyncio.sleep(self._config().telemetry.interval_s)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._nudged.wait(), self._config().telemetry.interval_s)
+            self._nudged.clear()
+
+    def nudge(self) -> None:
+        """Cut the current wait short (a reload may have changed telemetry.interval_s)."""
+        self._nudged.set()
 
     def govern(self, runners: Sequence[EngineRunner], link: GatewayLink, now: float) -> None:
         """Thermal governor: one level per GPU from its reading; the gateway admits less."""

@@ -276,7 +276,8 @@ class EngineRunner:
         proc = self._process
         if not proc.started:
             return RestartReason.CRASH
-        deadline = time.monotonic() + self._host.config.engine.startup_timeout_s
+        allowed = self._host.config.engine.startup_timeout_s  # fixed for this start
+        deadline = time.monotonic() + allowed
         while not self._host.stopping:
             if proc.returncode is not None:
                 proc.log_exit("while starting")
@@ -285,7 +286,7 @@ class EngineRunner:
                 log.error(
                     "%s: not ready after %.0f s (engine.startup_timeout_s)",
                     self.spec.name,
-                    self._host.config.engine.startup_timeout_s,
+                    allowed,
                 )
                 return RestartReason.STARTUP_TIMEOUT
             answered = await self._health.answered()
