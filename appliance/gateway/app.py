@@ -47,6 +47,12 @@ log = logging.getLogger("appliance.gateway")
 GATEWAY: web.AppKey[Gateway] = web.AppKey("gateway")
 LOOP_STALL_S = 10.0  # a main loop that has not ticked for this long is not "alive"
 BEARER = "bearer "
+# What clients and /readyz are told while the keys file cannot be used; the journal (and
+# check-config, doctor) name the file and the problem.
+KEYS_UNUSABLE = (
+    "the server's keys file cannot be used, so no API key can be checked until the "
+    "admin fixes it (the server's journal says what is wrong)"
+)
 
 
 class ListenError(ApplianceError):
@@ -159,6 +165,15 @@ def _authenticate(gw: Gateway, request: web.Request, scope: str) -> None:
             code="missing_api_key",
             reason="auth",
         )
+    if gw.keys.problem is not None:
+        # No key can be checked: telling a client "invalid key" would send them to the
+        # admin for a new one. The details (path, parse error) are for the journal.
+        raise GatewayError(
+            503,
+            KEYS_UNUSABLE + "; retry later",
+            code="keys_file_error",
+            retry_after=5,
+        )
     record, reason = gw.keys.lookup(header[len(BEARER) :].strip())
     if record is None:
         message = "this API key has expired" if reason == "expired" else "invalid API key"
@@ -239,17 +254,22 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def readyz(request: web.Request) -> web.Response:
-    """200 only while some engine can take a new request now; else 503 and why not."""
+    """200 only while some engine can take a new request now and keys can be checked;
+    else 503 and why not."""
     gw = request.app[GATEWAY]
     accepting = gw.appliance.accepting
+    keys_problem = gw.keys.problem
     ready = [s.id for s in gw.appliance.engines() if s.state.accepts_work]
     admitting = [load.id for load in gw.admission.loads() if load.accepting]
-    if accepting and admitting:
+    if accepting and admitting and keys_problem is None:
         return web.json_response(
             {"status": "ready", "engines_ready": ready, "engines_admitting": admitting}
         )
-    body: dict[str, Any] = {"status": "stopping" if not accepting else "not admitting"}
+    body: dict[str, Any] = {"status": "stopping"}
     if accepting:
+        body["status"] = "keys file unusable" if keys_problem is not None else "not admitting"
+        if keys_problem is not None:
+            body["keys"] = KEYS_UNUSABLE
         body["reasons"] = {str(e): why for e, why in not_admitting(gw).items()}
     body |= {"engines_ready": ready, "engines_admitting": admitting}
     return web.json_response(body, status=503, headers={"Retry-After": "5"})
@@ -312,18 +332,33 @@ def _ssl_context(cert: str, key: str) -> ssl.SSLContext:
     return ctx
 
 
+async def _load_keys(gw: Gateway) -> None:
+    """The keys in force at start, and the first admin key on a fresh box.
+
+    A keys file that cannot be read or parsed (or a first admin key that cannot be
+    written) does not stop the daemon: exit 1 would make systemd restart it into the same
+    file, in a loop. It starts refusing every key (503 ``keys_file_error``, ``/readyz``
+    503), says so in the journal, and the watcher puts the file in force once it is fixed.
+    A corrupt file is never overwritten: no admin key is made over it."""
+    if not gw.watcher.first_load():
+        return
+    try:
+        created = await asyncio.to_thread(ensure_admin_key, gw.keys, log)
+    except KeysFileError as exc:
+        if gw.keys.signature is None:  # no file in force: an admin key not saved is no key
+            gw.keys.apply(None, None)
+        gw.watcher.refuse_all(str(exc))
+        return
+    if created is None and not gw.keys.records:
+        log.warning("no API keys in %s: create one with `llm-appliance keys create`", gw.keys.path)
+
+
 async def start_gateway(appliance: Appliance) -> GatewayRunner:
     """The gateway, listening; its Gateway (the supervisor's link) is ``runner.app[GATEWAY]``."""
     g = appliance.config.gateway
     app = create_app(appliance)
     gw = app[GATEWAY]
-    try:
-        gw.keys.load()
-        created = await asyncio.to_thread(ensure_admin_key, gw.keys, log)
-    except KeysFileError as exc:
-        raise ListenError(f"{exc}; fix or remove the keys file") from None
-    if created is None and not gw.keys.records:
-        log.warning("no API keys in %s: create one with `llm-appliance keys create`", g.keys_file)
+    await _load_keys(gw)
     ctx = _ssl_context(g.tls_cert, g.tls_key) if g.tls_cert else None
     # handler_cancellation: a client that disconnects cancels its handler, which closes
     # the upstream request, which makes vLLM abort the generation. GatewayRunner bounds

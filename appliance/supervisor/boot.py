@@ -1,8 +1,13 @@
 """What the supervisor sets up before any engine starts: telemetry, sockets, the plan.
 
 The plan itself is pure (:func:`appliance.plan.plan_engines`); this gathers the
-machine's facts for it (GPU count, usable cores), opens the telemetry source (falling
-back to none, logged), and makes the private directory for engine sockets.
+machine's facts for it (GPU count, usable cores), opens the telemetry source, and
+makes the private directory for engine sockets.
+
+Telemetry: ``nvml`` on a machine without NVIDIA's driver is the normal CPU case (no GPU
+telemetry, logged at INFO). A ``file:`` source that cannot be opened at start (a typo,
+a file not written yet, no permission) is a config error, exit 2, which systemd does
+not restart: running on without readings would throttle no GPU, silently.
 """
 
 from __future__ import annotations
@@ -16,25 +21,53 @@ from pathlib import Path
 from appliance import endpoint
 from appliance.config import Config
 from appliance.engine import EngineSpec
+from appliance.errors import ConfigError
 from appliance.plan import EnginePlan, plan_engines, usable_cores
 from appliance.systemd import child_environment
-from appliance.telemetry import TelemetryError, TelemetrySource, open_source
+from appliance.telemetry import TelemetryError, TelemetrySource, check_sensors_file, open_source
 
 log = logging.getLogger("appliance.supervisor")
 
+FILE_SOURCE_FIX = (
+    "write the file before starting the service (and let the service user read it), "
+    'or set telemetry.source = "none" to run without thermal protection'
+)
+
 
 def open_telemetry(config: Config) -> TelemetrySource:
-    """The configured source, or none (logged) when it cannot be used."""
+    """The configured source; none (logged) when NVML is unavailable. ConfigError when a
+    ``file:`` source cannot be opened."""
     source = config.telemetry.source
     try:
         return open_source(source)
     except TelemetryError as exc:
-        if source == "nvml":
-            # The default on a machine with no NVIDIA driver: not an error.
-            log.info("GPU telemetry off: NVML unavailable (%s)", exc)
-        else:
-            log.error("telemetry.source = %r cannot be used (%s); GPU telemetry off", source, exc)
+        if source != "nvml":
+            raise ConfigError(
+                [f"telemetry.source = {source!r} cannot be used ({exc}); {FILE_SOURCE_FIX}"],
+                config.source,
+            ) from None
+        # The default on a machine with no NVIDIA driver: not an error.
+        log.info("GPU telemetry off: NVML unavailable (%s)", exc)
         return open_source("none")
+
+
+def check_telemetry_source(config: Config) -> tuple[list[str], list[str]]:
+    """check-config's look at a ``file:`` source: (problems, warnings). Stricter than a
+    start (the content must parse too); a file this user may not read is a warning, since
+    the daemon reads it as the service user."""
+    source = config.telemetry.source
+    if not source.startswith("file:"):
+        return [], []
+    try:
+        check_sensors_file(source.removeprefix("file:"))
+    except TelemetryError as exc:
+        if isinstance(exc.__cause__, PermissionError):
+            return [], [
+                f"telemetry.source = {source!r}: cannot check it as this user ({exc}); run "
+                "check-config as the service user or root"
+            ]
+        return [f"telemetry.source = {source!r} cannot be used ({exc}); {FILE_SOURCE_FIX}"], []
+    return [], []
 
 
 @dataclass

@@ -9,13 +9,15 @@
 - ``"none"``: no readings at all (CPU machines, or an operator who opts out).
 
 `open_source` raises `TelemetryError` when the chosen source cannot be used; the
-caller decides whether that is fatal. `count_nvidia_gpus` answers ``device = "auto"``.
+caller decides whether that is fatal. `check_sensors_file` is ``check-config``'s
+stricter look at a ``file:`` source (its content must parse too). `count_nvidia_gpus`
+answers ``device = "auto"``.
 """
 
 from __future__ import annotations
 
 from appliance.telemetry.base import GpuReading, NoneSource, TelemetryError, TelemetrySource
-from appliance.telemetry.file import FileSource
+from appliance.telemetry.file import FileSource, check_sensors_file
 from appliance.telemetry.nvml import NvmlSource, count_nvidia_gpus
 
 __all__ = [
@@ -25,6 +27,7 @@ __all__ = [
     "NvmlSource",
     "TelemetryError",
     "TelemetrySource",
+    "check_sensors_file",
     "count_nvidia_gpus",
     "open_source",
 ]

@@ -23,7 +23,8 @@ index is bad or repeated, is skipped.
 
 The one hard failure is at open: a path that cannot be opened at all (typo, no
 permission, a directory) raises `TelemetryError`, so a misconfigured daemon says so at
-start instead of running without thermal protection.
+start instead of running without thermal protection. `check_sensors_file` is the
+strict check for ``check-config``: the content must parse too.
 """
 
 from __future__ import annotations
@@ -70,6 +71,43 @@ def _integer(value: Any) -> int | None:
     if isinstance(value, float) and math.isfinite(value) and value.is_integer():
         return int(value)
     return None
+
+
+def _read_text(path: Path) -> str:
+    with path.open("rb") as f:
+        data = f.read(MAX_FILE_BYTES + 1)
+    if len(data) > MAX_FILE_BYTES:
+        raise _BadFile("too-large", f"is larger than {MAX_FILE_BYTES} bytes")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise _BadFile("not-utf8", f"is not UTF-8: {exc}") from exc
+
+
+def _gpu_entries(text: str) -> list[Any]:
+    """The ``gpus`` list of the file's text; _BadFile when it is not of that form."""
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise _BadFile(f"json:{exc.msg}", f"is not valid JSON ({exc})") from exc
+    gpus = doc.get("gpus") if isinstance(doc, dict) else None
+    if not isinstance(gpus, list):
+        raise _BadFile("shape", 'is not of the form {"gpus": [...]}')
+    return gpus
+
+
+def check_sensors_file(path: str | os.PathLike[str]) -> None:
+    """TelemetryError when ``path`` cannot serve as a sensors file now: it cannot be read
+    (missing, no permission, a directory), is too large or not UTF-8, is not JSON, or not
+    of the form ``{"gpus": [...]}``. For ``check-config``; the daemon forgives a bad read
+    after start (above). Entries are not judged: the daemon skips a bad one, warning."""
+    where = Path(path).expanduser()
+    try:
+        _gpu_entries(_read_text(where))
+    except OSError as exc:
+        raise TelemetryError(f"telemetry file {where} cannot be read: {exc}") from exc
+    except _BadFile as exc:
+        raise TelemetryError(f"telemetry file {where} {exc}") from exc
 
 
 class FileSource:
@@ -133,14 +171,7 @@ class FileSource:
             return self._parse(self._read_text())
 
     def _read_text(self) -> str:
-        with self._path.open("rb") as f:
-            data = f.read(MAX_FILE_BYTES + 1)
-        if len(data) > MAX_FILE_BYTES:
-            raise _BadFile("too-large", f"is larger than {MAX_FILE_BYTES} bytes")
-        try:
-            return data.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise _BadFile("not-utf8", f"is not UTF-8: {exc}") from exc
+        return _read_text(self._path)
 
     def _warn_file(self, exc: _BadFile) -> None:
         now = self._clock()
@@ -156,14 +187,8 @@ class FileSource:
             log.warning("telemetry file %s: %s", self._path, message)
 
     def _parse(self, text: str) -> list[GpuReading]:
-        try:
-            doc = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise _BadFile(f"json:{exc.msg}", f"is not valid JSON ({exc})") from exc
-        if not isinstance(doc, dict) or not isinstance(doc.get("gpus"), list):
-            raise _BadFile("shape", 'is not of the form {"gpus": [...]}')
         readings: dict[int, GpuReading] = {}
-        for position, entry in enumerate(doc["gpus"]):
+        for position, entry in enumerate(_gpu_entries(text)):
             if not isinstance(entry, dict):
                 self._warn_field(
                     ("entry", position, type(entry).__name__),

@@ -219,7 +219,8 @@ RENDER_VARIANTS: dict[str, dict[str, Any]] = {
         "llm_appliance_engine_served_model_name": 'a "quoted" \\ name\nwith é, 😀 and \t',
         "llm_appliance_engine_env": {"HF_HOME": "/srv/hf", "ODD": 'x"y\\z', "UNI": "ü"},
         "llm_appliance_engine_extra_args": ["--foo=bar baz", '--json={"a": 1}'],
-        "llm_appliance_telemetry_source": "file:/srv/sensors dir/sensors.json",
+        # check-config reads the sensors file: the fixture writes it there ({render}).
+        "llm_appliance_telemetry_source": "file:{render}/sensors dir/sensors.json",
         "llm_appliance_engine_home": "/srv/llm-engine/",
         "llm_appliance_config_extra": {
             "gateway": {"max_queue": 7},
@@ -241,8 +242,15 @@ def rendered(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("render")
     out = tmp / "out"
     out.mkdir()
+    sensors = tmp / "sensors dir" / "sensors.json"
+    sensors.parent.mkdir()
+    sensors.write_text('{"gpus": []}')
     tasks: list[dict[str, Any]] = []
-    for name, overrides in RENDER_VARIANTS.items():
+    for name, variant in RENDER_VARIANTS.items():
+        overrides = {
+            k: v.replace("{render}", str(tmp)) if isinstance(v, str) else v
+            for k, v in variant.items()
+        }
         tasks.append(
             {
                 "name": f"Render the {name} config",
@@ -296,7 +304,8 @@ def rendered(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         tmp,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    return {"dir": out, "results": json.loads((out / "results.json").read_text())}
+    results = json.loads((out / "results.json").read_text())
+    return {"dir": out, "results": results, "sensors": f"file:{sensors}"}
 
 
 def test_defaults_render_a_config_that_check_config_accepts(
@@ -336,7 +345,7 @@ def test_strings_are_quoted_safely_and_extra_config_merges(rendered: dict[str, A
     assert cfg.engine.served_model_name == tricky["llm_appliance_engine_served_model_name"]
     assert cfg.engine.env == {**tricky["llm_appliance_engine_env"], "EXTRA": "1"}
     assert cfg.engine.extra_args == tricky["llm_appliance_engine_extra_args"]
-    assert cfg.telemetry.source == tricky["llm_appliance_telemetry_source"]
+    assert cfg.telemetry.source == rendered["sensors"]
     assert cfg.gateway.max_queue == 7
     assert cfg.gateway.max_tokens_cap == Config().gateway.max_tokens_cap  # merged, not replaced
     # An engine home of its own: the config points the daemon at what set-up made there.

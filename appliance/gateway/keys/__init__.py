@@ -14,6 +14,7 @@ imports, so ``from appliance.gateway.keys import X`` is the way in:
 ``store``          :class:`KeyStore`: the keys in force, read and saved atomically
 ``watcher``        :class:`KeyWatcher`: the daemon's reload on change and on SIGHUP
 ``first_admin``    the first admin key and ``admin.key``
+``check``          what ``check-config`` says about the keys file (the daemon's rules)
 ``errors``         :class:`KeySpecError` (a bad field) and :class:`KeysFileError`
 =================  ===================================================================
 
@@ -23,6 +24,7 @@ lock): from the event loop, run ``create``/``revoke``/``ensure_admin_key`` throu
 ``asyncio.to_thread``. The CLI is :mod:`appliance.gateway.keys_cli`.
 """
 
+from appliance.gateway.keys.check import check_keys_file
 from appliance.gateway.keys.document import KeyRecord, parse_keys_document, render_keys_document
 from appliance.gateway.keys.errors import KeysFileError, KeySpecError
 from appliance.gateway.keys.fields import (
@@ -52,6 +54,7 @@ __all__ = [
     "KeyWatcher",
     "KeysFileError",
     "atomic_write",
+    "check_keys_file",
     "ensure_admin_key",
     "hash_key",
     "parse_key_id",

@@ -17,6 +17,9 @@ class KeysFileError(ApplianceError):
     """The keys file cannot be read, parsed, locked or written; names the file and why."""
 
     exit_code = 1
+    # The OS error behind a file that cannot be read (None: a parse or lock problem), so
+    # that check-config can tell "this user may not read it" from a broken file.
+    errno: int | None = None
 
     @classmethod
     def from_write(cls, exc: FileWriteError) -> KeysFileError:

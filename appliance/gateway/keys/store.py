@@ -10,7 +10,10 @@ file or the new one, never half of one, and two writers never lose each other's 
 When root edits the daemon's file it keeps its owner.
 
 A corrupt file is never overwritten and never replaces good keys: ``apply`` changes
-nothing when parsing fails. A missing file means no keys (fail closed).
+nothing when parsing fails. A missing file means no keys (fail closed). A file that
+cannot be used while no key is in force (at start, or after the file was removed) leaves
+the store *refusing* (:attr:`KeyStore.problem`): the gateway then answers every key with
+503 ``keys_file_error`` rather than 401, since no key could be checked at all.
 
 File I/O here is blocking (small files, but an fsync and a lock): from the event loop,
 run ``create``/``revoke`` through ``asyncio.to_thread``.
@@ -49,6 +52,14 @@ LookupReason = Literal["ok", "unknown", "expired", "malformed"]
 Signature = tuple[int, int, int]  # (st_mtime_ns, st_size, st_ino)
 
 
+def mode_warning(path: Path, mode: int) -> str:
+    """What to say about a keys file whose mode lets others in (``mode & 0o077``)."""
+    return (
+        f"keys file {path} has mode {stat.S_IMODE(mode):04o}; "
+        "it should be 0600 (it will be on the next change)"
+    )
+
+
 def atomic_write(path: Path, data: bytes, mode: int = 0o600) -> None:
     """:func:`appliance.fsutil.atomic_write`, failing with a KeysFileError (same message),
     the error every caller of the keys store handles."""
@@ -71,6 +82,7 @@ class KeyStore:
         self._records: dict[str, KeyRecord] = {}
         self._signature: Signature | None = None
         self._digest: str | None = None
+        self._problem: str | None = None
         self._mutex = threading.Lock()
 
     # -- reading
@@ -90,11 +102,29 @@ class KeyStore:
         """sha256 of the bytes the records came from; None: no file."""
         return self._digest
 
+    @property
+    def problem(self) -> str | None:
+        """Why no key can be checked: the file cannot be read or parsed and no key is in
+        force (see :meth:`refuse_all`); None once a file (or no file) is put in force."""
+        return self._problem
+
     def get(self, key_id: str) -> KeyRecord | None:
         return self._records.get(key_id)
 
     def read(self) -> tuple[bytes | None, Signature | None]:
-        """The file's bytes and signature, (None, None) when it does not exist."""
+        """The file's bytes and signature, (None, None) when it does not exist. A mode
+        open to others is logged (the next change writes it 0600)."""
+        data, st = self.read_file()
+        if st is None:
+            return None, None
+        if st.st_mode & 0o077:
+            log.warning("%s", mode_warning(self.path, st.st_mode))
+        return data, (st.st_mtime_ns, st.st_size, st.st_ino)
+
+    def read_file(self) -> tuple[bytes | None, os.stat_result | None]:
+        """The file's bytes and its stat, (None, None) when it does not exist; nothing
+        logged (``check-config`` reports the mode itself). KeysFileError, with ``errno``
+        set, when it cannot be read."""
         try:
             # Never through a symlink: the appliance always writes a plain file (by
             # rename), and root must not be made to read some other file as keys.
@@ -104,9 +134,7 @@ class KeyStore:
         except OSError as exc:
             if exc.errno == errno.ELOOP:
                 raise refuse_link(self.path, "keys file") from None
-            raise KeysFileError(
-                f"keys file {self.path} cannot be read ({exc.strerror or exc})"
-            ) from None
+            raise self._unreadable(exc) from None
         try:
             with os.fdopen(fd, "rb") as f:
                 st = os.fstat(f.fileno())
@@ -116,16 +144,13 @@ class KeyStore:
                     )
                 data = f.read()
         except OSError as exc:
-            raise KeysFileError(
-                f"keys file {self.path} cannot be read ({exc.strerror or exc})"
-            ) from None
-        if st.st_mode & 0o077:
-            log.warning(
-                "keys file %s has mode %04o; it should be 0600 (it will be on the next change)",
-                self.path,
-                stat.S_IMODE(st.st_mode),
-            )
-        return data, (st.st_mtime_ns, st.st_size, st.st_ino)
+            raise self._unreadable(exc) from None
+        return data, st
+
+    def _unreadable(self, exc: OSError) -> KeysFileError:
+        error = KeysFileError(f"keys file {self.path} cannot be read ({exc.strerror or exc})")
+        error.errno = exc.errno
+        return error
 
     def apply(self, data: bytes | None, signature: Signature | None) -> None:
         """Put the keys in ``data`` in force (None: no keys). On KeysFileError nothing
@@ -135,6 +160,15 @@ class KeyStore:
             self._records = records
             self._signature = signature
             self._digest = None if data is None else hashlib.sha256(data).hexdigest()
+            self._problem = None
+
+    def refuse_all(self, problem: str) -> None:
+        """No key is in force and the file cannot be used (``problem`` says why): every
+        key is refused as unverifiable until a file (or no file) is put in force. Only
+        for a store with no key in force: good keys are never dropped for a bad file."""
+        with self._mutex:
+            if not self._records:
+                self._problem = problem
 
     def load(self) -> None:
         """(Re)read the file; a missing file means no keys. KeysFileError keeps the old."""

@@ -5,6 +5,12 @@ when it changes, and at once on SIGHUP (``reload_now``). A corrupt file never re
 good keys: the last good ones stay in force and the problem is logged once per distinct
 content. A keys file that is *removed* means no keys (fail closed); ``serve`` makes a
 fresh admin key on its next start.
+
+With no good keys to keep (a file corrupt or unreadable at start, ``first_load``, or
+after the file was removed) a bad file leaves the store refusing every key
+(:meth:`KeyStore.refuse_all`: 503 ``keys_file_error``, ``/readyz`` 503) instead of
+stopping the daemon, which systemd would only restart into the same file in a loop.
+The next poll that finds the file fixed puts it in force: no restart needed.
 """
 
 from __future__ import annotations
@@ -45,9 +51,35 @@ class KeyWatcher:
         return (st.st_mtime_ns, st.st_size, st.st_ino)
 
     def _report(self, problem: object, message: str) -> None:
+        # With no key in force there are no "last good keys" to keep: every key is
+        # refused as unverifiable (503) until the file is fixed, rather than as unknown.
+        refusing = not self.store.records
+        if refusing:
+            self.store.refuse_all(message)
         if problem != self._reported:
             self._reported = problem
-            self.log.error("%s; the last good keys stay in force", message)
+            if refusing:
+                self.log.error(
+                    "%s; no key is in force: every request with a key gets 503 "
+                    "keys_file_error until the file is fixed (fix or restore it, or move "
+                    "it away and run `llm-appliance keys create --name admin --scope admin`; "
+                    "picked up within 2 s, no restart needed)",
+                    message,
+                )
+            else:
+                self.log.error("%s; the last good keys stay in force", message)
+
+    def first_load(self) -> bool:
+        """The daemon's first read of the file, before it serves. True when its keys (or
+        none: no file) are in force. False when it cannot be read or parsed: the daemon
+        still starts, refusing every key (``store.problem``), the journal says what and
+        where, and the watcher puts the file in force once it is fixed."""
+        return self.poll(force=True)
+
+    def refuse_all(self, message: str) -> None:
+        """The keys file cannot be used although it read fine (the first admin key could
+        not be written): refuse every key as :meth:`first_load` does, logged once."""
+        self._report(("refused", message), message)
 
     def poll(self, force: bool = False) -> bool:
         """One check. True when the keys in force are the file's; False when the file is
