@@ -1,7 +1,9 @@
 """`llm-appliance` command line: serve, check-config, setup, keys, status.
 
 Every command takes ``--config PATH``; a config problem ends any of them with exit 2 and
-every problem named, before anything is started.
+every problem named, before anything is started. A file the user may not read is one
+line naming it and what would let them (:mod:`appliance.permissions`), never a traceback:
+exit 2 when it is the config, 1 for any other file.
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from appliance import __version__
-from appliance.config import Config, config_warnings, load_config
+from appliance.config import Config, config_warnings, load_config, resolve_config_path
 from appliance.errors import EXIT_CONFIG, ApplianceError, ConfigError
+from appliance.permissions import denied_line
 
 
 def _setup_logging(verbose: bool = False) -> None:
@@ -77,25 +80,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return runner.run(serve(config, args.config))
 
 
-def _check_files(config: Config) -> tuple[list[str], list[str]]:
-    """(problems, warnings) about the files the daemon reads at start: the keys file and
-    a ``file:`` sensors source, by the daemon's own readers and parsers."""
-    from appliance.gateway.keys import check_keys_file
-    from appliance.supervisor.boot import check_telemetry_source
-
-    keys = check_keys_file(Path(config.gateway.keys_file))
-    sensors = check_telemetry_source(config)
-    return keys[0] + sensors[0], keys[1] + sensors[1]
-
-
 def cmd_check_config(args: argparse.Namespace) -> int:
     config = _load(args)
-    problems, file_warnings = _check_files(config)
-    if problems:
-        raise ConfigError(problems, config.source)
     print(config.summary())
     # On stderr: stdout stays the one-line summary that scripts read.
-    for warning in [*config_warnings(config), *file_warnings]:
+    for warning in config_warnings(config):
         print(f"llm-appliance: warning: {warning}", file=sys.stderr)
     return 0
 
@@ -154,14 +143,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     _setup_logging(getattr(args, "verbose", False))
     try:
         return int(args.func(args))
-    except ConfigError as exc:
-        print(f"llm-appliance: {exc}", file=sys.stderr)
-        return EXIT_CONFIG
-    except ApplianceError as exc:
-        print(f"llm-appliance: {exc}", file=sys.stderr)
-        return exc.exit_code
+    except (ApplianceError, PermissionError) as exc:
+        return _fail(exc, args.config)
     except KeyboardInterrupt:
         return 130
+
+
+def _fail(exc: ApplianceError | PermissionError, config_arg: str | None) -> int:
+    """One line on stderr (a permission problem: the file and what would let you use it)
+    and the exit status: 2 for the config, as for any config that cannot be used."""
+    denied = exc if isinstance(exc, PermissionError) else _denied_cause(exc)
+    line = denied_line(denied) if denied is not None else None
+    print(f"llm-appliance: {line or exc}", file=sys.stderr)
+    if denied is not None and denied.filename is not None:
+        config_path, _ = resolve_config_path(config_arg)
+        denied_path = Path(os.fsdecode(denied.filename)).absolute()
+        if config_path is not None and denied_path == config_path.absolute():
+            return EXIT_CONFIG
+    return exc.exit_code if isinstance(exc, ApplianceError) else 1
+
+
+def _denied_cause(exc: ApplianceError) -> PermissionError | None:
+    """The PermissionError an error was raised for, if any: load_config and the keys store
+    turn an unreadable file into an error of their own while handling it (``raise ...
+    from None`` hides it from tracebacks but keeps it as ``__context__``). A list of
+    config problems keeps every problem instead."""
+    if isinstance(exc, ConfigError) and len(exc.problems) != 1:
+        return None
+    cause = exc.__context__
+    return cause if isinstance(cause, PermissionError) else None
 
 
 if __name__ == "__main__":

@@ -2,7 +2,9 @@
 
 It reads ``GET /admin/status`` (scope admin). The key comes from ``--key``, else
 ``$LLM_APPLIANCE_KEY``, else the ``admin.key`` that first start wrote beside the keys
-file, so an admin on the box needs no flags.
+file, else the first admin key the Ansible role made (:data:`ROLE_ADMIN_KEY_FILE`), so
+``sudo llm-appliance status`` needs no flags on either kind of install. Refused (401 or
+403), it says which key it sent, or every place it looked and why each gave no key.
 
 Over HTTPS the admin key goes only to a server whose certificate checks out: the system's
 CAs and the URL's host name by default, ``--cacert PATH`` to trust a CA or a self-signed
@@ -32,6 +34,10 @@ from appliance.config import load_config
 from appliance.gateway.keys import parse_key_id
 
 ADMIN_KEY_MAX_BYTES = 4096
+ROLE_ADMIN_KEY_FILE = Path("/root/llm-appliance-admin.key")
+"""Where the Ansible role puts the first admin key: its ``llm_appliance_admin_key_file``
+default (the role does not write it into the config). A role run with another path:
+pass that key in ``LLM_APPLIANCE_KEY``."""
 _PEM_CERT_RE = re.compile(
     r"-----BEGIN CERTIFICATE-----[A-Za-z0-9+/=\s]+-----END CERTIFICATE-----", re.ASCII
 )
@@ -101,33 +107,76 @@ def ssl_context(target: Target) -> ssl.SSLContext | None:
     return ssl.create_default_context()
 
 
-def _read_admin_key(path: Path) -> str | None:
-    """The key in admin.key, or None. The file lives in the service account's directory,
-    and whatever is read here is sent to the gateway: so never through a symlink (root
-    must not be made to send /etc/shadow), only a small regular file, and only a
-    well-formed key."""
+@dataclass(frozen=True)
+class AdminKey:
+    """The key status sends, where it came from, and where it was looked for in vain."""
+
+    key: str | None
+    source: str  # "--key", "$LLM_APPLIANCE_KEY" or a file; "" when no key was found
+    misses: tuple[str, ...] = ()  # "PATH (why not)", in the order looked at
+
+    @property
+    def blocked(self) -> bool:
+        """Some file that may hold the key is there but not readable by this user."""
+        return any(m.endswith("(permission denied)") for m in self.misses)
+
+
+def _read_admin_key(path: Path) -> tuple[str | None, str]:
+    """(the key in ``path``, "") or (None, why not). The file may lie in the service
+    account's directory, and whatever is read here is sent to the gateway: so never
+    through a symlink (root must not be made to send /etc/shadow), only a small regular
+    file, and only a well-formed key."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             _warn(f"ignoring {path}: it is a symbolic link")
-        return None
+            return None, "a symbolic link, ignored"
+        return None, (exc.strerror or str(exc)).lower()
     with os.fdopen(fd, "rb") as f:
         if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
             _warn(f"ignoring {path}: it is not a regular file")
-            return None
+            return None, "not a regular file"
         key = f.read(ADMIN_KEY_MAX_BYTES).decode("ascii", errors="replace").strip()
     if parse_key_id(key) is None:
         _warn(f"ignoring {path}: it does not hold an llm-appliance key")
-        return None
-    return key
+        return None, "not an llm-appliance key"
+    return key, ""
 
 
-def _default_key(args: argparse.Namespace) -> str | None:
+def find_admin_key(args: argparse.Namespace) -> AdminKey:
+    """--key, else $LLM_APPLIANCE_KEY, else the first admin key file that holds a key:
+    first start's admin.key beside the keys file, then the Ansible role's."""
+    if args.key:
+        return AdminKey(args.key, "--key")
     if os.environ.get("LLM_APPLIANCE_KEY"):
-        return os.environ["LLM_APPLIANCE_KEY"]
-    admin_key = Path(load_config(args.config).gateway.keys_file).with_name("admin.key")
-    return _read_admin_key(admin_key)
+        return AdminKey(os.environ["LLM_APPLIANCE_KEY"], "$LLM_APPLIANCE_KEY")
+    first_start = Path(load_config(args.config).gateway.keys_file).with_name("admin.key")
+    misses: list[str] = []
+    for path in (first_start, ROLE_ADMIN_KEY_FILE):
+        key, why = _read_admin_key(path)
+        if key is not None:
+            return AdminKey(key, str(path), tuple(misses))
+        misses.append(f"{path} ({why})")
+    return AdminKey(None, "", tuple(misses))
+
+
+def refusal_hint(code: int, found: AdminKey) -> str:
+    """What to do when the gateway answered ``code`` to the key in ``found``."""
+    send = "pass an admin key in LLM_APPLIANCE_KEY (or --key)"
+    if code == 401 and found.key is None:
+        todo = "run it with sudo, or " if found.blocked else ""
+        return (
+            f"no admin key: none in --key or $LLM_APPLIANCE_KEY, nor in "
+            f"{', '.join(found.misses)}; {todo}{send}"
+        )
+    if code == 401:
+        return (
+            f"the admin key from {found.source} was refused (revoked, expired or mistyped); {send}"
+        )
+    if code == 403:
+        return f"the key from {found.source} has no admin scope; {send}"
+    return ""
 
 
 def _warn(message: str) -> None:
@@ -255,16 +304,12 @@ def cmd_status(args: argparse.Namespace) -> int:
         return 2
     if target.insecure and context is not None:
         _warn("--insecure: the certificate is not checked, so anyone in between gets the key")
-    key = args.key or _default_key(args)
+    found = find_admin_key(args)
     try:
-        doc = fetch_status(url, key, context=context)
+        doc = fetch_status(url, found.key, context=context)
     except urllib.error.HTTPError as exc:
-        hint = (
-            " (pass --key with an admin key, or set LLM_APPLIANCE_KEY)"
-            if exc.code in (401, 403)
-            else ""
-        )
-        _warn(f"{url} answered {exc.code}{hint}")
+        hint = refusal_hint(exc.code, found)
+        _warn(f"{url} answered {exc.code}{': ' + hint if hint else ''}")
         return 1
     except (OSError, ValueError) as exc:
         _warn(_unreachable(target, exc))
@@ -282,7 +327,8 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--url", help="gateway URL (default: from the config)")
     p.add_argument(
         "--key",
-        help="an admin key (default: $LLM_APPLIANCE_KEY, else admin.key beside the keys file)",
+        help="an admin key (default: $LLM_APPLIANCE_KEY, else admin.key beside the keys "
+        f"file, else {ROLE_ADMIN_KEY_FILE}, where the Ansible role puts it)",
     )
     tls = p.add_mutually_exclusive_group()
     tls.add_argument(

@@ -9,8 +9,10 @@ file path, or, when it starts with ``@``, a name in the Linux abstract namespace
 ``KEY=VALUE`` assignments; the ones this daemon sends:
 
 ``READY=1``
-    Start-up is done. ``systemctl start`` returns only now, so it is sent once an
-    engine can really take requests, not when the process merely runs.
+    Start-up is done. ``systemctl start`` returns only now, so it is sent once the
+    gateway accepts requests and every engine has settled, READY or FAILED (loading is
+    over; ``/readyz`` says whether one serves), not when the process merely runs. See
+    :mod:`appliance.supervisor.notify` for when each message is sent.
 ``STATUS=<one line>``
     Free text shown by ``systemctl status``.
 ``EXTEND_TIMEOUT_USEC=<µs>``
@@ -25,7 +27,8 @@ file path, or, when it starts with ``@``, a name in the Linux abstract namespace
     ``CLOCK_MONOTONIC`` timestamp with ``Type=notify-reload``; older ones and
     ``Type=notify`` ignore it.
 ``STOPPING=1``
-    Shutdown has begun.
+    Shutdown has begun; ``EXTEND_TIMEOUT_USEC`` follows at once and then every few
+    seconds while the drain and the engines' stop go on.
 
 Where the watchdog ping comes from
 ----------------------------------

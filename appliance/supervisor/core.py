@@ -233,7 +233,13 @@ class Supervisor:
             now = time.monotonic()
             self.last_tick = now
             states = [r.state for r in self._runners]
-            self._reporter.tick(now, states, self.accepting, self.status_line())
+            self._reporter.tick(
+                now,
+                states,
+                self.accepting,
+                self.status_line(),
+                stopping=self._stop_task is not None,
+            )
             # Belt and braces for admission: waiters normally get slots on release or
             # state change; a tick-driven kick bounds any missed wake-up to one tick.
             self._link.engines_changed()
@@ -275,7 +281,7 @@ class Supervisor:
     def _begin_stop(self, fast: bool) -> None:
         self._fast_stop = fast
         self.accepting = False
-        self._reporter.notifier.stopping()
+        self._reporter.stopping(time.monotonic())
         self._link.shutdown_begun()
         self._stop_task = asyncio.create_task(self._stop(), name="stop")
 

@@ -4,6 +4,11 @@
   sends ``RELOADING=1`` then ``READY=1`` again, once READY was sent);
 - ``EXTEND_TIMEOUT_USEC`` every few seconds before that: models load for minutes, and
   systemd's start timeout must not fire meanwhile;
+- ``STOPPING=1`` when a stop begins, then ``EXTEND_TIMEOUT_USEC`` at once and every few
+  seconds until the process exits: a drain (up to ``restart.drain_timeout_s``) and the
+  engines' stop may outlast ``TimeoutStopSec``, and systemd must not kill the service
+  in the middle of it. The stop bounds itself; the extensions come from the tick, so a
+  stop whose loop is stuck still runs out of time;
 - ``STATUS=`` the one-line summary of :func:`status_line`, when it changes;
 - ``WATCHDOG=1`` from the tick only, so a stalled loop is noticed and restarted.
 """
@@ -55,7 +60,24 @@ class SystemdReporter:
         self._last_watchdog = 0.0
         self._last_status = ""
 
-    def tick(self, now: float, states: Sequence[EngineState], accepting: bool, status: str) -> None:
+    def stopping(self, now: float) -> None:
+        """A stop has begun: ``STOPPING=1``, and the stop deadline moved at once."""
+        self.notifier.stopping()
+        self._extend(now)
+
+    def _extend(self, now: float) -> None:
+        self.notifier.extend_timeout(EXTEND_BY_S)
+        self._last_extend = now
+
+    def tick(
+        self,
+        now: float,
+        states: Sequence[EngineState],
+        accepting: bool,
+        status: str,
+        *,
+        stopping: bool = False,
+    ) -> None:
         wd = self.notifier.watchdog_interval_s
         if wd is not None and now - self._last_watchdog >= wd:
             # From this tick only: if the loop stalls, systemd notices and restarts us.
@@ -63,17 +85,14 @@ class SystemdReporter:
             self._last_watchdog = now
         loading = any(s is EngineState.STARTING for s in states)
         settled = all(s in (EngineState.READY, EngineState.FAILED) for s in states)
+        starting = not self.ready_sent and (loading or not settled)
         if not self.ready_sent and accepting and settled:
             self.notifier.ready()
             self.ready_sent = True
-        elif (
-            not self.ready_sent
-            and (loading or not settled)
-            and now - self._last_extend >= EXTEND_EVERY_S
-        ):
-            # Models load for minutes; keep systemd's start timeout from firing meanwhile.
-            self.notifier.extend_timeout(EXTEND_BY_S)
-            self._last_extend = now
+        elif (starting or stopping) and now - self._last_extend >= EXTEND_EVERY_S:
+            # Models load for minutes, a drain may too: keep systemd's start or stop
+            # timeout from firing meanwhile.
+            self._extend(now)
         if status != self._last_status:
             self.notifier.status(status)
             self._last_status = status

@@ -311,6 +311,27 @@ def test_admin_keys_endpoints(d: Daemon) -> None:
     assert key_id not in {r["id"] for r in d.call("GET", "/admin/keys", d.admin)[1]["keys"]}
 
 
+def test_admin_delete_takes_the_id_in_any_case_as_the_cli_does(d: Daemon) -> None:
+    """`keys revoke ABCDEF12` and DELETE /admin/keys/ABCDEF12 both revoke abcdef12."""
+
+    def lettered() -> tuple[str, str]:
+        # An id of digits only reads the same in capitals: 1 in 40 ids, so try again.
+        for _ in range(10):
+            code, body = d.call("POST", "/admin/keys", d.admin, {"name": "shouty"})
+            assert code == 201, body
+            if body["id"] != body["id"].upper():
+                return body["key"], body["id"]
+        raise AssertionError("ten ids of digits only")
+
+    key, key_id = lettered()
+    code, body = d.call("DELETE", f"/admin/keys/{key_id.upper()}", d.admin)
+    assert (code, body) == (200, {"id": key_id, "revoked": True})
+    assert d.status_of(key) == 401
+    other, other_id = lettered()
+    d.cli("keys", "revoke", other_id.upper())
+    d.wait_status(other, 401)
+
+
 # ---- llm-appliance status ------------------------------------------------------------
 
 

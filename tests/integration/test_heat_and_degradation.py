@@ -349,6 +349,10 @@ def test_sustained_heat_restarts_with_half_the_batched_tokens_then_restores(
         write_sensors(sensors, [95, 60])
         app.wait_for(lambda: batched(0) == "4096", 20, "engine 0 restarted with half batch")
         assert batched(1) == "8192"
+        # The journal's start line shows the command line really spawned (issue 16, item 8).
+        starts = [ln for ln in app.log().splitlines() if "engine0: starting on" in ln]
+        assert "--max-num-batched-tokens 8192" in starts[0], starts
+        assert "--max-num-batched-tokens 4096" in starts[-1], starts
         write_sensors(sensors, [50, 60])
         app.wait_for(lambda: batched(0) == "8192", 30, "full batch restored once cool")
         app.wait_for(lambda: status(app, key)["engines"][0]["state"] == "READY", 10, "ready")

@@ -39,6 +39,13 @@ ADMIN = "sk-la-0123abcd-" + "A" * 43
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl")
 
 
+@pytest.fixture(autouse=True)
+def no_role_admin_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Ansible role's admin key file, where status looks last: none here, whatever
+    the machine running the tests holds at the real path."""
+    monkeypatch.setattr(status, "ROLE_ADMIN_KEY_FILE", tmp_path / "no-role-admin.key")
+
+
 @dataclass(frozen=True)
 class Cert:
     cert: Path  # what the server presents (the leaf first, then any chain)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import socket
@@ -12,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from appliance.engine import EngineState
+from appliance.supervisor.notify import EXTEND_BY_S, EXTEND_EVERY_S, SystemdReporter
 from appliance.systemd import CHILD_ENV_DENYLIST, Notifier, child_environment
 
 
@@ -258,3 +261,54 @@ def test_child_environment_strips_systemd_keys() -> None:
     assert "NOTIFY_SOCKET" in base  # the input is not modified
     child["X"] = "1"
     assert "X" not in base
+
+
+# --- the supervisor's reporter: a long stop is not cut by TimeoutStopSec ----------------
+
+
+def _pending(sock: socket.socket) -> list[str]:
+    """Every datagram waiting now (the sends are synchronous: nothing is in flight)."""
+    sock.setblocking(False)
+    got = []
+    try:
+        while True:
+            got.append(sock.recv(4096).decode("utf-8"))
+    except BlockingIOError:
+        return got
+    finally:
+        sock.setblocking(True)
+
+
+def test_a_stop_moves_systemds_deadline_at_once_and_until_it_ends(
+    systemd_socket: tuple[socket.socket, str],
+) -> None:
+    """STOPPING=1 comes with EXTEND_TIMEOUT_USEC, and the extension is renewed from the
+    tick before it lapses for as long as the drain goes on (here 60 s of ticks)."""
+    sock, path = systemd_socket
+    reporter = SystemdReporter(Notifier.from_env({"NOTIFY_SOCKET": path}))
+    reporter.tick(100.0, [EngineState.READY] * 2, True, "2/2 engines ready")
+    assert _pending(sock) == ["READY=1", "STATUS=2/2 engines ready"]
+
+    reporter.stopping(101.0)
+    extend = f"EXTEND_TIMEOUT_USEC={int(EXTEND_BY_S * 1_000_000)}"
+    assert _pending(sock) == ["STOPPING=1", extend]
+    extended_at = [101.0]
+    now = 101.0
+    while now < 161.0:
+        now += 0.5
+        reporter.tick(now, [EngineState.DRAINING] * 2, False, "stopping", stopping=True)
+        extended_at += [now for m in _pending(sock) if m == extend]
+    gaps = [b - a for a, b in itertools.pairwise(extended_at)]
+    assert len(extended_at) >= 60 / EXTEND_BY_S + 1
+    assert all(EXTEND_EVERY_S <= gap < EXTEND_BY_S for gap in gaps), extended_at
+    assert now - extended_at[-1] < EXTEND_BY_S  # still covered when the stop ends
+
+
+def test_no_extension_once_ready_and_not_stopping(
+    systemd_socket: tuple[socket.socket, str],
+) -> None:
+    sock, path = systemd_socket
+    reporter = SystemdReporter(Notifier.from_env({"NOTIFY_SOCKET": path}))
+    for i in range(40):
+        reporter.tick(100.0 + i, [EngineState.READY], True, "1/1 engines ready")
+    assert _pending(sock) == ["READY=1", "STATUS=1/1 engines ready"]
