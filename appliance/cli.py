@@ -80,11 +80,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return runner.run(serve(config, args.config))
 
 
+def _check_files(config: Config) -> tuple[list[str], list[str]]:
+    """(problems, warnings) about the files the daemon reads at start: the keys file and
+    a ``file:`` sensors source, by the daemon's own readers and parsers."""
+    from appliance.gateway.keys import check_keys_file
+    from appliance.supervisor.boot import check_telemetry_source
+
+    keys = check_keys_file(Path(config.gateway.keys_file))
+    sensors = check_telemetry_source(config)
+    return keys[0] + sensors[0], keys[1] + sensors[1]
+
+
 def cmd_check_config(args: argparse.Namespace) -> int:
     config = _load(args)
+    problems, file_warnings = _check_files(config)
+    if problems:
+        raise ConfigError(problems, config.source)
     print(config.summary())
     # On stderr: stdout stays the one-line summary that scripts read.
-    for warning in config_warnings(config):
+    for warning in [*config_warnings(config), *file_warnings]:
         print(f"llm-appliance: warning: {warning}", file=sys.stderr)
     return 0
 
