@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import enum
 import secrets
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -195,6 +195,62 @@ def _ranges(cores: Sequence[int]) -> str:
     return ",".join(parts)
 
 
+# x86 CPU flags (as /proc/cpuinfo spells them) that run bfloat16 matmuls in hardware.
+# Without one, vLLM's CPU kernels emulate bf16: on a 2-core AVX2 box prefill was 5-9x
+# slower than float32 (TTFT p50 3.3 s vs 0.58 s at one stream) and eight streams got a
+# quarter of float32's tokens/s (docs/benchmarks.md, "CPU engine: dtype and LD_PRELOAD").
+BF16_CPU_FLAGS: tuple[str, ...] = ("avx512_bf16", "amx_bf16")
+
+
+@dataclass(frozen=True)
+class CpuDtype:
+    """The CPU engine's dtype and why: shown in the start log, /admin/status and doctor."""
+
+    dtype: str  # "bfloat16" | "float32", or what engine.extra_args says
+    reason: str  # one line
+    explicit: bool = False  # engine.extra_args sets --dtype: the command line gets none of ours
+
+    def as_json(self) -> dict[str, str]:
+        return {"dtype": self.dtype, "reason": self.reason}
+
+
+def dtype_in_args(args: Sequence[str]) -> str | None:
+    """The value of ``--dtype`` in an argument list (either spelling; the last wins, as
+    in argparse), or None when the list does not set it."""
+    found: str | None = None
+    for i, arg in enumerate(args):
+        if arg == "--dtype" and i + 1 < len(args):
+            found = args[i + 1]
+        elif arg.startswith("--dtype="):
+            found = arg.split("=", 1)[1]
+    return found
+
+
+def choose_cpu_dtype(cpu_flags: Collection[str], extra_args: Sequence[str] = ()) -> CpuDtype:
+    """bfloat16 where the processor computes it natively, float32 otherwise.
+
+    ``cpu_flags`` are the processor's feature flags (/proc/cpuinfo's ``flags``, read once
+    by the caller); an explicit ``--dtype`` in ``extra_args`` wins over both.
+    """
+    explicit = dtype_in_args(extra_args)
+    if explicit is not None:
+        return CpuDtype(explicit, "engine.extra_args sets --dtype", explicit=True)
+    native = [f for f in BF16_CPU_FLAGS if f in cpu_flags]
+    if native:
+        return CpuDtype("bfloat16", f"the CPU has {'/'.join(native)}: bfloat16 runs natively")
+    return CpuDtype(
+        "float32",
+        "the CPU has neither avx512_bf16 nor amx_bf16: bfloat16 would be emulated "
+        "(several times slower), float32 runs natively",
+    )
+
+
+def ld_preload(libs: Sequence[str], inherited: str = "") -> str:
+    """``libs`` first, then whatever the supervisor's own LD_PRELOAD held (no repeats)."""
+    entries = [*libs, *(e for e in inherited.replace(" ", ":").split(":") if e)]
+    return ":".join(dict.fromkeys(entries))
+
+
 def build_argv(
     config: Config,
     *,
@@ -204,11 +260,13 @@ def build_argv(
     gpu: int | None,
     served_model_name: str,
     on_gpu: bool,
+    cpu_flags: Collection[str] = (),
 ) -> tuple[str, ...]:
     """The engine's command line: vLLM's OpenAI server, or the config's `command` override.
 
     The engine key is not in it (it goes in the environment); a `command` that asks for
-    it with {api_key} gets :data:`API_KEY_SLOT`, filled in at each spawn.
+    it with {api_key} gets :data:`API_KEY_SLOT`, filled in at each spawn. ``cpu_flags``
+    (a CPU engine's processor flags) pick its dtype: see :func:`choose_cpu_dtype`.
     """
     e = config.engine
     if e.command:
@@ -249,9 +307,14 @@ def build_argv(
     if on_gpu:
         argv += ["--gpu-memory-utilization", f"{e.gpu_memory_utilization:g}"]
     else:
-        # CPU: vLLM's CPU backend serves bfloat16; eager mode starts in ~35 s instead of
-        # ~2 min of torch.compile that is not cached between starts on these machines.
-        argv += ["--dtype", "bfloat16", "--enforce-eager"]
+        # CPU: the dtype the processor computes natively (an explicit one in extra_args
+        # wins: argparse would take the last, but one --dtype reads better in `ps`); eager
+        # mode starts in ~35 s instead of ~2 min of torch.compile that is not cached
+        # between starts on these machines.
+        dtype = choose_cpu_dtype(cpu_flags, e.extra_args)
+        if not dtype.explicit:
+            argv += ["--dtype", dtype.dtype]
+        argv.append("--enforce-eager")
     argv += list(e.extra_args)
     return tuple(argv)
 
@@ -263,8 +326,12 @@ def build_env(
     gpu: int | None,
     cpu_bind: str | None,
     engine_tag: str,
+    preload: Sequence[str] = (),
 ) -> dict[str, str]:
     """The engine's environment, built explicitly from a cleaned base.
+
+    ``preload`` (CPU engines only): the libraries found for LD_PRELOAD (see
+    :func:`appliance.plan.cpu_preload_libs`); an LD_PRELOAD in engine.env replaces them.
 
     ``base`` must already lack systemd's variables (NOTIFY_SOCKET, WATCHDOG_*): an engine
     that pinged our watchdog or sent READY for us would lie to systemd.
@@ -292,6 +359,8 @@ def build_env(
         env["VLLM_CPU_KVCACHE_SPACE"] = f"{config.engine.cpu_kvcache_space_gib:g}"
         if cpu_bind is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind
+        if preload:
+            env["LD_PRELOAD"] = ld_preload(preload, env.get("LD_PRELOAD", ""))
     env.update(config.engine.env)
     return env
 

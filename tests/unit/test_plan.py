@@ -10,7 +10,16 @@ import pytest
 from appliance import paths
 from appliance.config import Config, parse_config
 from appliance.errors import ConfigError, EngineSetupError
-from appliance.plan import EnginePlan, plan_engines
+from appliance.plan import (
+    IOMP,
+    TCMALLOC,
+    EnginePlan,
+    cpu_dtype_for,
+    cpu_flags_of,
+    cpu_preload_libs,
+    plan_engines,
+    read_cpu_flags,
+)
 from appliance.systemd import child_environment
 
 SUPERVISOR_ENV = {
@@ -42,6 +51,8 @@ def plan(
     *,
     gpus: int = 0,
     cores: list[int] | None = None,
+    cpu_flags: frozenset[str] = frozenset({"avx2"}),
+    preload: tuple[str, ...] = (),
 ) -> EnginePlan:
     return plan_engines(
         parse_config(raw),
@@ -50,6 +61,8 @@ def plan(
         home=home,
         base_env=BASE_ENV,
         socket_dir=SOCKETS,
+        cpu_flags=cpu_flags,
+        preload=preload,
     )
 
 
@@ -291,6 +304,8 @@ def test_plan_is_pure_given_its_inputs(home: Path) -> None:
         home=home,
         base_env=BASE_ENV,
         socket_dir=SOCKETS,
+        cpu_flags=frozenset({"avx2"}),
+        preload=(),
     )
     assert p.device == "cpu"
     assert child_environment(SUPERVISOR_ENV) == BASE_ENV  # not modified
@@ -337,3 +352,144 @@ def expand(bind: str) -> tuple[int, ...]:
         lo, _, hi = part.partition("-")
         out += range(int(lo), int(hi or lo) + 1)
     return tuple(out)
+
+
+# ---------------------------------------------------------------------------------------
+# CPU engines: dtype from the processor, libraries to preload
+# ---------------------------------------------------------------------------------------
+
+BF16 = frozenset({"avx2", "avx512f", "avx512_bf16"})
+LIBS = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/venv/lib/libiomp5.so")
+
+
+@pytest.mark.parametrize(("flags", "dtype"), [(frozenset({"avx2"}), "float32"), (BF16, "bfloat16")])
+def test_cpu_plan_carries_the_dtype_it_put_on_every_command_line(
+    home: Path, flags: frozenset[str], dtype: str
+) -> None:
+    p = plan({"engine": {"cpu_engines": 2}}, home, cpu_flags=flags)
+    assert p.cpu_dtype is not None
+    assert p.cpu_dtype.dtype == dtype
+    assert p.cpu_dtype.as_json() == {"dtype": dtype, "reason": p.cpu_dtype.reason}
+    assert [option(s.argv, "--dtype") for s in p.specs] == [dtype, dtype]
+
+
+def test_cpu_plan_reports_an_explicit_dtype(home: Path) -> None:
+    p = plan({"engine": {"extra_args": ["--dtype", "bfloat16"]}}, home)
+    assert p.cpu_dtype is not None
+    assert (p.cpu_dtype.dtype, p.cpu_dtype.explicit) == ("bfloat16", True)
+    assert option(p.specs[0].argv, "--dtype") == "bfloat16"
+
+
+@pytest.mark.parametrize(
+    ("raw", "gpus"),
+    [({}, 2), ({"engine": {"command": ["{python}", "fake.py", "{uds}"]}}, 0)],
+    ids=["gpu", "command-override"],
+)
+def test_no_cpu_dtype_or_preload_where_we_do_not_write_the_vllm_command(
+    home: Path, raw: dict[str, Any], gpus: int
+) -> None:
+    p = plan(raw, home, gpus=gpus, cpu_flags=BF16, preload=LIBS)
+    assert p.cpu_dtype is None and p.preload == ()
+    assert all("LD_PRELOAD" not in s.env and "--dtype" not in s.argv for s in p.specs)
+
+
+def test_cpu_engines_preload_what_was_found(home: Path) -> None:
+    p = plan({"engine": {"cpu_engines": 2}}, home, preload=LIBS)
+    assert p.preload == LIBS
+    assert [s.env["LD_PRELOAD"] for s in p.specs] == [":".join(LIBS)] * 2
+
+
+def test_engine_env_ld_preload_replaces_the_plan_s(home: Path) -> None:
+    p = plan({"engine": {"env": {"LD_PRELOAD": ""}}}, home, preload=LIBS)
+    assert p.preload == ()  # what the log and status say we preload: nothing
+    assert p.specs[0].env["LD_PRELOAD"] == ""
+
+
+def test_preload_libs_found_where_installed(tmp_path: Path) -> None:
+    python = tmp_path / "venv" / "bin" / "python"
+    libdir = tmp_path / "usr-lib"
+    other = tmp_path / "usr-lib64"
+    for d in (python.parent, libdir, other, python.parent.parent / "lib"):
+        d.mkdir(parents=True)
+    # Absent everywhere: nothing.
+    assert cpu_preload_libs(str(python), [libdir, other]) == ()
+    # tcmalloc in the second directory, Intel OpenMP in the venv's lib/.
+    (other / TCMALLOC).write_bytes(b"\x7fELF")
+    (python.parent.parent / "lib" / IOMP).write_bytes(b"\x7fELF")
+    assert cpu_preload_libs(str(python), [libdir, other]) == (
+        str(other / TCMALLOC),
+        str(python.parent.parent / "lib" / IOMP),
+    )
+    # A folder of that name is not a library: the next directory's file is taken.
+    (libdir / TCMALLOC).mkdir()
+    assert cpu_preload_libs(str(python), [libdir, other])[0] == str(other / TCMALLOC)
+    # The first directory that has it wins.
+    first = tmp_path / "usr-local-lib"
+    first.mkdir()
+    (first / TCMALLOC).write_bytes(b"\x7fELF")
+    assert cpu_preload_libs(str(python), [first, other])[0] == str(first / TCMALLOC)
+
+
+def test_preload_looks_in_the_venv_a_linked_python_belongs_to(tmp_path: Path) -> None:
+    """A venv's python is a link to the base interpreter; the venv's lib/ is next to bin/."""
+    base = tmp_path / "base" / "bin" / "python3"
+    base.parent.mkdir(parents=True)
+    base.write_text("")
+    venv_python = tmp_path / "venv" / "bin" / "python"
+    venv_python.parent.mkdir(parents=True)
+    venv_python.symlink_to(base)
+    (tmp_path / "venv" / "lib").mkdir()
+    (tmp_path / "venv" / "lib" / IOMP).write_bytes(b"")
+    assert cpu_preload_libs(str(venv_python), []) == (str(tmp_path / "venv" / "lib" / IOMP),)
+
+
+X86_CPUINFO = """processor\t: 0
+vendor_id\t: GenuineIntel
+flags\t\t: fpu sse2 avx avx2 avx512f avx512_bf16 amx_tile
+bugs\t\t: spectre_v1
+
+processor\t: 1
+flags\t\t: fpu sse2
+"""
+ARM_CPUINFO = "processor\t: 0\nFeatures\t: fp asimd bf16 sve\nCPU implementer\t: 0x41\n"
+
+
+@pytest.mark.parametrize(
+    ("text", "expect"),
+    [
+        (X86_CPUINFO, {"fpu", "sse2", "avx", "avx2", "avx512f", "avx512_bf16", "amx_tile"}),
+        (ARM_CPUINFO, {"fp", "asimd", "bf16", "sve"}),
+        ("", set()),
+    ],
+    ids=["x86", "arm", "empty"],
+)
+def test_cpu_flags_of_cpuinfo(text: str, expect: set[str]) -> None:
+    assert cpu_flags_of(text) == expect
+
+
+def test_unreadable_cpuinfo_means_no_flags_and_float32(tmp_path: Path) -> None:
+    assert read_cpu_flags(tmp_path / "missing") == frozenset()
+    assert cpu_dtype_for(Config(), frozenset()).dtype == "float32"
+    (tmp_path / "cpuinfo").write_text(X86_CPUINFO)
+    assert cpu_dtype_for(Config(), read_cpu_flags(tmp_path / "cpuinfo")).dtype == "bfloat16"
+
+
+@pytest.mark.parametrize(
+    ("env", "preload", "shown"),
+    [
+        ({}, LIBS, "LD_PRELOAD: libtcmalloc_minimal.so.4, libiomp5.so"),
+        ({}, (), "LD_PRELOAD: none"),
+        ({"LD_PRELOAD": "/opt/mine.so"}, LIBS, "LD_PRELOAD: mine.so"),
+    ],
+)
+def test_start_log_line_says_dtype_why_and_what_is_preloaded(
+    home: Path, env: dict[str, str], preload: tuple[str, ...], shown: str
+) -> None:
+    note = plan({"engine": {"env": env}}, home, preload=preload).cpu_note
+    assert note.startswith("CPU engines use --dtype float32 (the CPU has neither avx512_bf16")
+    assert note.endswith(shown)
+    assert "\n" not in note
+
+
+def test_no_cpu_line_in_the_start_log_on_gpu(home: Path) -> None:
+    assert plan({}, home, gpus=1, preload=LIBS).cpu_note == ""
