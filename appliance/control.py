@@ -23,7 +23,7 @@ from typing import Protocol
 
 from appliance.config import Config
 from appliance.endpoint import EngineAddress
-from appliance.engine import EngineState
+from appliance.engine import CpuDtype, EngineState
 from appliance.telemetry import GpuReading
 
 
@@ -81,6 +81,7 @@ class ApplianceStatus:
 
     started_at: float  # time.time() of the daemon's start
     device: str | None  # "cuda" | "cpu"; None until the engines are planned
+    cpu_dtype: CpuDtype | None  # CPU engines' dtype and why (None on GPU or with a command)
     accepting: bool  # False once shutdown began: new requests are refused
     ready: bool  # accepting, and some engine is READY
     engines: tuple[EngineStatus, ...]

@@ -76,6 +76,8 @@ def status_document(gw: Gateway) -> dict[str, Any]:
     return {
         "version": __version__,
         "device": status.device,
+        # CPU engines: {"dtype", "reason"} (null on GPU or with engine.command).
+        "cpu_dtype": status.cpu_dtype.as_json() if status.cpu_dtype else None,
         "uptime_s": round(time.time() - status.started_at, 1),
         "accepting": status.accepting,
         "ready": status.ready,

@@ -119,6 +119,7 @@ class Supervisor:
         return ApplianceStatus(
             started_at=self.started_at,
             device=plan.device if plan else None,
+            cpu_dtype=plan.cpu_dtype if plan else None,
             accepting=self.accepting,
             ready=self.ready,
             engines=self.engines(),
@@ -213,6 +214,8 @@ class Supervisor:
             plan.served_model_name,
             plan.model,
         )
+        if plan.cpu_note:
+            log.info("plan: %s", plan.cpu_note)
         for r in self._runners:
             r.open()
         return self._heat

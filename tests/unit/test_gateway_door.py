@@ -31,7 +31,7 @@ from appliance.control import (
     GpuStatus,
 )
 from appliance.endpoint import EngineAddress
-from appliance.engine import EngineState
+from appliance.engine import CpuDtype, EngineState
 from appliance.gateway import admin
 from appliance.gateway.app import GATEWAY, create_app
 from appliance.telemetry import GpuReading
@@ -49,7 +49,7 @@ class FakeAppliance:
     """The door's members and nothing else (``__slots__``: no attribute may be added or
     read beyond them). Commands answer with what ``_answers`` holds (None: never)."""
 
-    __slots__ = ("_accepting", "_answers", "_asked", "_config", "_engines")
+    __slots__ = ("_accepting", "_answers", "_asked", "_config", "_cpu_dtype", "_engines")
     __slots__ += ("_gpus", "_last_tick")
 
     def __init__(self, config: Config, engines: list[EngineStatus]) -> None:
@@ -58,6 +58,7 @@ class FakeAppliance:
         self._accepting = True
         self._last_tick = time.monotonic()
         self._gpus: tuple[GpuStatus, ...] = ()
+        self._cpu_dtype: CpuDtype | None = None
         self._answers: dict[str, CommandResult | None] = {}
         self._asked: list[tuple[str, int, dict[str, Any]]] = []
 
@@ -87,6 +88,7 @@ class FakeAppliance:
         return ApplianceStatus(
             started_at=self.started_at,
             device="cpu",
+            cpu_dtype=self._cpu_dtype,
             accepting=self._accepting,
             ready=self._accepting and any(e.state is READY for e in self._engines),
             engines=self.engines(),
@@ -341,3 +343,9 @@ async def test_metrics_show_engines_gpus_and_throttle(box: Box) -> None:
     ):
         assert series in text, series
     assert 'appliance_engine_kv_cache_usage{engine="1"}' not in text
+
+
+async def test_the_status_document_names_the_cpu_engines_dtype(box: Box) -> None:
+    box.appliance._cpu_dtype = CpuDtype("float32", "no bf16 here")
+    async with box.client.get("/admin/status", headers=box.auth(box.admin)) as resp:
+        assert (await resp.json())["cpu_dtype"] == {"dtype": "float32", "reason": "no bf16 here"}

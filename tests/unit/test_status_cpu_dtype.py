@@ -1,0 +1,88 @@
+"""/admin/status says which dtype CPU engines run and why (null where it does not apply).
+
+From the plan (what the supervisor starts engines with) to the status document (what
+`llm-appliance status --json` prints), with a stand-in gateway: only the status and the
+queue depth are read when no engine is listed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, cast
+
+import pytest
+
+from appliance import paths
+from appliance.config import parse_config
+from appliance.control import ApplianceStatus
+from appliance.gateway.admin import status_document
+from appliance.plan import plan_engines
+
+
+@pytest.fixture
+def home(tmp_path: Path) -> Path:
+    python = paths.engine_python(tmp_path)
+    python.parent.mkdir(parents=True)
+    python.write_text("#!/bin/sh\n")
+    model = paths.packaged_model(tmp_path)
+    model.mkdir(parents=True)
+    (model / "config.json").write_text("{}")
+    return tmp_path
+
+
+def status_with(
+    home: Path, engine: dict[str, Any], *, gpus: int, flags: frozenset[str]
+) -> dict[str, Any]:
+    plan = plan_engines(
+        parse_config({"engine": engine}),
+        gpu_count=gpus,
+        cores=[0, 1],
+        home=home,
+        base_env={},
+        socket_dir=home / "run",
+        cpu_flags=flags,
+        preload=(),
+    )
+    status = ApplianceStatus(
+        started_at=0.0,
+        device=plan.device,
+        cpu_dtype=plan.cpu_dtype,
+        accepting=True,
+        ready=False,
+        engines=(),
+        gpus=(),
+    )
+    gw = SimpleNamespace(
+        appliance=SimpleNamespace(status=lambda: status),
+        admission=SimpleNamespace(queue_depth=0),
+    )
+    return status_document(cast(Any, gw))
+
+
+@pytest.mark.parametrize(
+    ("flags", "dtype", "why"),
+    [
+        (frozenset({"avx2"}), "float32", "neither avx512_bf16 nor amx_bf16"),
+        (frozenset({"avx2", "avx512_bf16"}), "bfloat16", "avx512_bf16"),
+    ],
+)
+def test_status_names_the_cpu_engines_dtype_and_why(
+    home: Path, flags: frozenset[str], dtype: str, why: str
+) -> None:
+    doc = status_with(home, {"device": "cpu"}, gpus=0, flags=flags)
+    assert doc["device"] == "cpu"
+    assert doc["cpu_dtype"]["dtype"] == dtype
+    assert why in doc["cpu_dtype"]["reason"]
+
+
+def test_status_shows_an_explicit_dtype_as_the_admin_s(home: Path) -> None:
+    engine = {"device": "cpu", "extra_args": ["--dtype=bfloat16"]}
+    doc = status_with(home, engine, gpus=0, flags=frozenset({"avx2"}))
+    assert doc["cpu_dtype"] == {"dtype": "bfloat16", "reason": "engine.extra_args sets --dtype"}
+
+
+def test_status_cpu_dtype_is_null_on_gpu(home: Path) -> None:
+    doc = status_with(home, {}, gpus=1, flags=frozenset({"avx512_bf16"}))
+    assert doc["device"] == "cuda"
+    assert doc["cpu_dtype"] is None
