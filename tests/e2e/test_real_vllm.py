@@ -2,7 +2,8 @@
 
 One daemon (see conftest.py) with two engines of one core each serves the whole module;
 the tests run in file order and the last one stops it. Text from the model is never
-asserted exactly: the CPU engines run bfloat16, where greedy decoding can flip near-ties.
+asserted exactly: a CPU engine runs bfloat16 where the processor has it (float32 elsewhere), and
+bfloat16 greedy decoding can flip near-ties.
 """
 
 from __future__ import annotations
