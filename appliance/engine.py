@@ -20,7 +20,8 @@ once (a frozen engine would otherwise be offered requests until it is declared h
 several checks later), goes back to READY on the next good check, and is replaced only
 after ``health.failures_to_restart`` failed checks in a row, as before.
 
-Only the supervisor moves states; everyone else reads :class:`EngineSnapshot` copies.
+Only an engine's runner moves its state; everyone else reads
+:class:`appliance.control.EngineStatus` copies.
 Building the command line is a pure function here, so it is tested without processes.
 """
 
@@ -116,29 +117,6 @@ class EngineSpec:
         # The key travels in the environment: a command line is readable by every local
         # user (ps, /proc/N/cmdline), another user's environment is not.
         return {**self.env, "VLLM_API_KEY": api_key}
-
-
-@dataclass(frozen=True)
-class EngineSnapshot:
-    """A read-only view of one engine for the gateway, router and status."""
-
-    id: int
-    gpu: int | None
-    address: EngineAddress
-    state: EngineState
-    api_key: str  # this spawn's key; the gateway sends it, clients never see it
-    pid: int | None = None
-    restarts: int = 0
-    last_restart_reason: str | None = None
-    served_model_name: str = ""
-
-    @property
-    def port(self) -> int | None:
-        return self.address.port
-
-    @property
-    def base_url(self) -> str:
-        return self.address.base_url
 
 
 def new_api_key() -> str:

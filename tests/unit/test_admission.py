@@ -10,7 +10,9 @@ from collections.abc import Callable
 import pytest
 
 from appliance.config import Config, EngineConfig, GatewayConfig
-from appliance.engine import EngineSnapshot, EngineState
+from appliance.control import EngineStatus
+from appliance.endpoint import EngineAddress
+from appliance.engine import EngineState
 from appliance.gateway.admission import Admission
 from appliance.gateway.errors import GatewayError
 from appliance.gateway.ratelimit import RateLimiter
@@ -27,7 +29,7 @@ def make(
     aging_s: float = 10.0,
     max_model_len: int = 16,
     clock: Callable[[], float] = time.monotonic,
-) -> tuple[Admission, list[EngineSnapshot], list[str]]:
+) -> tuple[Admission, list[EngineStatus], list[str]]:
     cfg = Config(
         engine=EngineConfig(
             max_inflight=max_inflight, max_inflight_tokens=tokens, max_model_len=max_model_len
@@ -37,7 +39,9 @@ def make(
         ),
     )
     snaps = [
-        EngineSnapshot(i, None, 9000 + i, (states or [EngineState.READY] * n)[i], "k")
+        EngineStatus(
+            i, None, EngineAddress(port=9000 + i), (states or [EngineState.READY] * n)[i], "k"
+        )
         for i in range(n)
     ]
     rejected: list[str] = []

@@ -30,7 +30,9 @@ from typing import Any
 import pytest
 
 from appliance.config import Config, DegradationConfig, ThermalConfig, parse_config
-from appliance.engine import EngineSnapshot, EngineState
+from appliance.control import EngineStatus
+from appliance.endpoint import EngineAddress
+from appliance.engine import EngineState
 from appliance.gateway.admission import Admission
 from appliance.gateway.errors import GatewayError
 from appliance.gateway.proxy import parse_body
@@ -89,7 +91,7 @@ Scenario = Callable[[Admission, Clock], Awaitable[object]]
 def admission(scenario: Scenario, state: EngineState = EngineState.READY) -> Probe:
     def build(config: Callable[[], Config]) -> Observe:
         clock = Clock()
-        snaps = [EngineSnapshot(0, None, 9000, state, "k")]  # type: ignore[arg-type]
+        snaps = [EngineStatus(0, None, EngineAddress(port=9000), state, "k")]
         adm = Admission(config, lambda: snaps, lambda: True, clock=clock)
 
         async def observe() -> object:
