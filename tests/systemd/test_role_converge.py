@@ -44,6 +44,9 @@ SRC = "/srv/llm-appliance-src"  # the snapshot of the checkout, inside the conta
 STATE = "/var/lib/llm-appliance"  # disk-backed (see the module docstring)
 ADMIN_KEY_FILE = "/root/llm-appliance-admin.key"
 CONFIG = "/etc/llm-appliance/config.toml"
+GROUP = "llm-appliance"  # the service group (the role's default)
+COMMAND_LINK = "/usr/local/bin/llm-appliance"  # the role's llm_appliance_command_link
+APPLIANCE_COMMAND = "/opt/llm-appliance/venv/bin/llm-appliance"
 INVENTORY = "/srv/inventory.ini"
 # What ansible-playbook runs on: the controller's python may live under /root (pyenv);
 # that is fine, ansible runs as root outside the unit. Modules run with the system
@@ -204,6 +207,59 @@ def service_state(box: sc.SystemdContainer) -> dict[str, str]:
     )
 
 
+def as_login(box: sc.SystemdContainer, user: str, command: str) -> tuple[int, str, str]:
+    """``command`` in ``user``'s login shell: the PATH and groups a person logging in gets."""
+    r = box.run(["runuser", "-l", user, "-c", command], timeout=60)
+    return r.returncode, r.stdout, r.stderr
+
+
+def check_status_as_people(box: sc.SystemdContainer, base: str) -> None:
+    """`llm-appliance status` as root, a member of the service group and anyone else.
+
+    The command is on PATH for all of them; root needs no flags (it finds the role's
+    admin key); a member reads the config but not the key, and is told where it looked and
+    what to do; anyone else is told in one line which file and which group; never a
+    traceback.
+    """
+    assert box.run(["readlink", "-f", COMMAND_LINK]).stdout.strip() == APPLIANCE_COMMAND
+    for user, groups in (("alice", [f"--groups={GROUP}"]), ("mallory", [])):
+        box.run(["useradd", "--create-home", "--shell", "/bin/bash", *groups, user], check=True)
+
+    # root, as `sudo llm-appliance status` runs it (sudo's secure_path is the box's PATH).
+    r = box.run(["llm-appliance", "status"], timeout=60)
+    assert r.returncode == 0, (r.returncode, r.stdout, r.stderr)
+    head = r.stdout.splitlines()[0]
+    assert re.match(r"llm-appliance \S+ on cpu: ready, queue \d+, up \d+ s$", head), r.stdout
+    assert re.search(r"^ENGINE\s+GPU\s+PORT\s+STATE", r.stdout, re.MULTILINE), r.stdout
+    assert re.search(r"^0\s.*\sREADY\s", r.stdout, re.MULTILINE), r.stdout
+    assert "Traceback" not in r.stderr, r.stderr
+
+    # A member of the group: the config is hers to read, the admin key is not.
+    rc, out, err = as_login(box, "alice", "command -v llm-appliance; llm-appliance status")
+    assert out.strip() == COMMAND_LINK, (rc, out, err)
+    assert rc == 1, (rc, out, err)
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert err.startswith(f"llm-appliance status: {base} answered 401: no admin key"), err
+    assert f"{ADMIN_KEY_FILE} (permission denied)" in err, err
+    assert "run it with sudo, or pass an admin key in LLM_APPLIANCE_KEY" in err, err
+    # ...and with an admin key of her own, as docs/first-day.md shows, she gets the table.
+    mine = ["-m", "600", "-o", "alice", "-g", "alice"]
+    box.run(["install", *mine, ADMIN_KEY_FILE, "/home/alice/my-admin.key"], check=True)
+    rc, out, err = as_login(
+        box, "alice", "LLM_APPLIANCE_KEY=$(cat ~/my-admin.key) llm-appliance status"
+    )
+    assert rc == 0 and re.search(r"^0\s.*\sREADY\s", out, re.MULTILINE), (rc, out, err)
+
+    # Anyone else: one line naming the file and the group to join; exit 2 (the config).
+    rc, out, err = as_login(box, "mallory", "llm-appliance status")
+    assert (rc, out, err.strip()) == (
+        2,
+        "",
+        f"llm-appliance: cannot read {CONFIG}: permission denied "
+        f"(join the group {GROUP} or use sudo)",
+    )
+
+
 def test_role_converges_under_systemd_then_a_second_converge_changes_nothing(
     converge_box: sc.SystemdContainer,
 ) -> None:
@@ -263,3 +319,6 @@ def test_role_converges_under_systemd_then_a_second_converge_changes_nothing(
     assert after["MainPID"] == state["MainPID"], f"the service was restarted: {state} -> {after}"
     assert after["NRestarts"] == state["NRestarts"], (state, after)
     assert probe(box, f"{base}/readyz") == 200
+
+    # -- the first day: `llm-appliance status` as the people who will run it --------------
+    check_status_as_people(box, base)
