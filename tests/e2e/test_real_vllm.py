@@ -16,7 +16,6 @@ import signal
 import subprocess
 import threading
 import time
-import urllib.request
 from typing import Any
 
 import openai
@@ -43,13 +42,14 @@ def served_model(app: RealAppliance) -> str:
     return str(app.engine(0)["model"])
 
 
-def engine_metrics(port: int) -> dict[str, float]:
-    """An engine's own /metrics (vLLM serves it without the API key).
+def engine_metrics(app: RealAppliance, engine: int) -> dict[str, float]:
+    """An engine's own /metrics, read on its private socket (vLLM serves it without the
+    API key; only the service's user can reach the socket).
 
     Each sample is kept under its full name with labels, and summed under its bare name.
     """
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-        text = r.read().decode()
+    status, text = app.app.engine_request(engine, "GET", "/metrics", timeout=5)
+    assert status == 200 and isinstance(text, str), (status, text)
     out: dict[str, float] = {}
     for line in text.splitlines():
         m = re.match(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)", line)
@@ -63,10 +63,8 @@ def engine_metrics(port: int) -> dict[str, float]:
 
 
 def running(app: RealAppliance) -> dict[int, float]:
-    ports = {e["id"]: e["port"] for e in app.status()["engines"]}
-    return {
-        i: engine_metrics(port).get("vllm:num_requests_running", 0.0) for i, port in ports.items()
-    }
+    ids = [e["id"] for e in app.status()["engines"]]
+    return {i: engine_metrics(app, i).get("vllm:num_requests_running", 0.0) for i in ids}
 
 
 def wait_until(cond: Any, timeout: float, what: str, step: float = 0.2) -> float:
@@ -215,18 +213,17 @@ def test_client_disconnect_mid_stream_aborts_in_vllm(appliance: RealAppliance) -
     busy = running(appliance)
     assert sum(busy.values()) == 1, busy
     engine = next(i for i, n in busy.items() if n)
-    port = appliance.engine(engine)["port"]
-    tokens_before = engine_metrics(port).get("vllm:generation_tokens_total", 0.0)
+    tokens_before = engine_metrics(appliance, engine).get("vllm:generation_tokens_total", 0.0)
     stream.close()
     closed = time.monotonic()
     took = wait_until(
-        lambda: engine_metrics(port).get("vllm:num_requests_running", 1.0) == 0,
+        lambda: engine_metrics(appliance, engine).get("vllm:num_requests_running", 1.0) == 0,
         5,
         f"vllm:num_requests_running on engine {engine} back to 0",
         step=0.1,
     )
     time.sleep(1)
-    after = engine_metrics(port)
+    after = engine_metrics(appliance, engine)
     generated = after.get("vllm:generation_tokens_total", 0.0) - tokens_before
     assert generated < 200, f"{generated} tokens generated after the client left"
     print(
