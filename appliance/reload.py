@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from appliance.config import LIVE_KEYS, SECTIONS, Config
+from appliance.config import LIVE_KEYS, SECTIONS, Config, ModelConfig
 
 __all__ = ["LIVE_KEYS", "changed_keys", "merge_live"]
 
@@ -24,7 +24,45 @@ def changed_keys(old: Config, new: Config) -> list[str]:
         for f in dataclasses.fields(a):
             if getattr(a, f.name) != getattr(b, f.name):
                 out.append(f"{name}.{f.name}")
-    return out
+    _, live, restart = _merge_models(old.models, new.models)
+    return out + live + restart
+
+
+def _merge_models(
+    old: tuple[ModelConfig, ...], new: tuple[ModelConfig, ...]
+) -> tuple[tuple[ModelConfig, ...], list[str], list[str]]:
+    """(models in force, live keys applied, keys needing a restart) for [[models]].
+
+    A model's own keys (its name, GPUs, task, ...) shape its engines: a restart. Its
+    overrides of live [engine] keys apply like [engine]'s own.
+    """
+    if old == new:
+        return old, [], []
+    if [m.name for m in old] != [m.name for m in new]:
+        return old, [], ["models"]
+    merged, live, restart = [], [], []
+    for a, b in zip(old, new, strict=True):
+        fixed_a = dataclasses.replace(a, overrides={})
+        if fixed_a != dataclasses.replace(b, overrides={}):
+            restart += [
+                f"models.{a.name}.{f.name}"
+                for f in dataclasses.fields(a)
+                if f.name != "overrides" and getattr(a, f.name) != getattr(b, f.name)
+            ]
+        overrides = dict(a.overrides)
+        for key in sorted(set(a.overrides) | set(b.overrides)):
+            if a.overrides.get(key) == b.overrides.get(key):
+                continue
+            if f"engine.{key}" not in LIVE_KEYS:
+                restart.append(f"models.{a.name}.{key}")
+            else:
+                live.append(f"models.{a.name}.{key}")
+                if key in b.overrides:
+                    overrides[key] = b.overrides[key]
+                else:
+                    overrides.pop(key, None)
+        merged.append(dataclasses.replace(a, overrides=overrides))
+    return tuple(merged), live, restart
 
 
 def merge_live(old: Config, new: Config) -> tuple[Config, list[str], list[str]]:
@@ -45,4 +83,6 @@ def merge_live(old: Config, new: Config) -> tuple[Config, list[str], list[str]]:
             else:
                 restart.append(key)
         sections[name] = dataclasses.replace(a, **updates)
-    return dataclasses.replace(old, **sections, source=new.source), live, restart
+    models, models_live, models_restart = _merge_models(old.models, new.models)
+    merged = dataclasses.replace(old, **sections, models=models, source=new.source)
+    return merged, live + models_live, restart + models_restart

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from appliance import config as config_mod
+from appliance.config import load as config_load
 from appliance.cli import main
 from appliance.config import (
     CONFIG_ENV,
@@ -629,7 +629,7 @@ def test_contract_defaults_block_parses_to_config() -> None:
 def no_system_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """Point the built-in default path somewhere empty; clear the env var."""
     missing = tmp_path / "etc" / "config.toml"
-    monkeypatch.setattr(config_mod, "DEFAULT_CONFIG_PATH", missing)
+    monkeypatch.setattr(config_load, "DEFAULT_CONFIG_PATH", missing)
     monkeypatch.delenv(CONFIG_ENV, raising=False)
     return missing
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from appliance import config as config_mod
+from appliance.config import load as config_load
 from appliance.cli import main
 from appliance.config import CONFIG_ENV, Config, EngineConfig, config_warnings, parse_config
 from appliance.errors import ConfigError
@@ -66,7 +66,7 @@ def test_a_command_without_the_placeholder_does_not_warn() -> None:
 def test_check_config_prints_warnings_after_the_summary_and_exits_0(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(config_mod, "DEFAULT_CONFIG_PATH", tmp_path / "missing.toml")
+    monkeypatch.setattr(config_load, "DEFAULT_CONFIG_PATH", tmp_path / "missing.toml")
     monkeypatch.delenv(CONFIG_ENV, raising=False)
     path = tmp_path / "c.toml"
     path.write_text('[gateway]\nhost = "0.0.0.0"\nallow_lan = true\n')

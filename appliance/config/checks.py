@@ -1,0 +1,183 @@
+"""Checks across keys and sections (what one field's type and bounds cannot say), and the
+warnings about settings that are allowed but unwise."""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+import string
+from typing import TYPE_CHECKING
+
+from appliance.config.fields import _show
+from appliance.config.sections import (
+    COMMAND_PLACEHOLDERS,
+    MAX_GPUS,
+    RESERVED_ENGINE_ENV,
+    EngineConfig,
+)
+
+if TYPE_CHECKING:
+    from appliance.config.document import Config
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _check_command_listens(e: EngineConfig, path: str, problems: list[str]) -> None:
+    """A custom command must tell its engine where to listen, or nothing can reach it."""
+    need = "uds" if e.listen == "unix" else "port"
+    if e.command and not any("{" + need + "}" in arg for arg in e.command):
+        problems.append(
+            f"{path}.command: has no {{{need}}} placeholder, so the engine cannot know "
+            f'where to listen with engine.listen = "{e.listen}" (add "--{need}", '
+            f'"{{{need}}}"'
+            + (', or set engine.listen = "tcp" and use {port})' if need == "uds" else ")")
+        )
+
+
+def engine_count_bound(cfg: Config) -> int:
+    """The most engines this config can start (what the engine ports must make room for)."""
+    e, total = cfg.engine, 0
+    for m in cfg.served:
+        gpu_engines = MAX_GPUS if m.gpus is None else len(m.gpus) // m.tensor_parallel_size
+        # With device = "auto" the machine decides: GPUs if it has them, else CPU engines.
+        total += {"cpu": m.cpu_engines, "cuda": gpu_engines}.get(
+            e.device, max(gpu_engines, m.cpu_engines)
+        )
+    return total
+
+
+def _cross_check(cfg: Config, problems: list[str]) -> None:
+    g, e, t, th, r = cfg.gateway, cfg.engine, cfg.telemetry, cfg.thermal, cfg.restart
+    if not _is_loopback(g.host) and not g.allow_lan:
+        problems.append(
+            f"gateway.host = {_show(g.host)}: a non-loopback address needs "
+            "gateway.allow_lan = true (and should use tls_cert/tls_key)"
+        )
+    if bool(g.tls_cert) != bool(g.tls_key):
+        problems.append("gateway.tls_cert / gateway.tls_key: set both for HTTPS, or neither")
+    if g.keys_file == "":
+        problems.append('gateway.keys_file = "": must be a file path')
+    if isinstance(e.gpus, list):
+        if not e.gpus:
+            problems.append('engine.gpus = []: must be "auto" or a non-empty list of GPU indices')
+        elif len(set(e.gpus)) != len(e.gpus) or any(i < 0 or i >= 64 for i in e.gpus):
+            problems.append(f"engine.gpus = {e.gpus!r}: indices must be distinct and 0..63")
+        elif len(e.gpus) > MAX_GPUS:
+            problems.append(f"engine.gpus = {e.gpus!r}: at most {MAX_GPUS} GPUs")
+        if e.device == "cpu":
+            problems.append(
+                'engine.gpus: a GPU list needs engine.device = "cuda" or "auto" '
+                '(with device = "cpu" use engine.cpu_engines)'
+            )
+    count = engine_count_bound(cfg)
+    if e.port_base + count - 1 > 65535:
+        problems.append(f"engine.port_base = {e.port_base}: engine ports would pass 65535")
+    elif e.listen == "tcp" and e.port_base <= g.port < e.port_base + count:
+        problems.append(
+            f"gateway.port = {g.port}: collides with engine ports "
+            f"{e.port_base}..{e.port_base + count - 1} (engine.port_base)"
+        )
+    check_engine_keys(e, "engine", problems)
+    if not (t.source in ("nvml", "none") or (t.source.startswith("file:") and len(t.source) > 5)):
+        problems.append(
+            f'telemetry.source = {_show(t.source)}: must be one of "nvml", '
+            '"none", "file:/path/sensors.json"'
+        )
+    if th.hard_limit_c <= th.soft_limit_c:
+        problems.append(
+            f"thermal.hard_limit_c = {th.hard_limit_c:g}: must be above "
+            f"thermal.soft_limit_c ({th.soft_limit_c:g})"
+        )
+    d = cfg.degradation
+    for name in ("hang_s", "leak_hold_s"):
+        if getattr(d, name) > d.window_s:
+            problems.append(
+                f"degradation.{name} = {getattr(d, name):g}: must be <= "
+                f"degradation.window_s ({d.window_s:g})"
+            )
+    if r.backoff_max_s < r.backoff_initial_s:
+        problems.append(
+            f"restart.backoff_max_s = {r.backoff_max_s:g}: must be >= "
+            f"restart.backoff_initial_s ({r.backoff_initial_s:g})"
+        )
+
+
+def check_engine_keys(e: EngineConfig, path: str, problems: list[str]) -> None:
+    """engine.command and engine.env (or a model's own, under ``path``): placeholders,
+    where the engine listens, variable names and the supervisor's reserved variables."""
+    _check_command_listens(e, path, problems)
+    for i, arg in enumerate(e.command):
+        try:
+            names = [f for _, f, _, _ in string.Formatter().parse(arg) if f is not None]
+        except ValueError as exc:
+            problems.append(
+                f"{path}.command[{i}] = {_show(arg)}: {exc} (write a literal brace as {{{{ or }}}})"
+            )
+            continue
+        for name in names:
+            if name not in COMMAND_PLACEHOLDERS:
+                problems.append(
+                    f"{path}.command[{i}] = {_show(arg)}: unknown placeholder "
+                    f"{{{name}}}; allowed: "
+                    + " ".join(f"{{{p}}}" for p in sorted(COMMAND_PLACEHOLDERS))
+                )
+    for key in e.env:
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
+            problems.append(f"{path}.env.{key}: not a valid environment variable name")
+        elif key in RESERVED_ENGINE_ENV or key.startswith("WATCHDOG_"):
+            problems.append(
+                f"{path}.env.{key}: set by the supervisor and not overridable "
+                f"(reserved: {', '.join(sorted(RESERVED_ENGINE_ENV))}, WATCHDOG_*)"
+            )
+
+
+def _placeholders(arg: str) -> set[str]:
+    try:
+        return {f for _, f, _, _ in string.Formatter().parse(arg) if f is not None}
+    except ValueError:
+        return set()  # a config problem of its own, named by _cross_check
+
+
+def config_warnings(cfg: Config) -> list[str]:
+    """Settings that are allowed but unwise, each with what to do instead.
+
+    ``check-config`` prints them after its summary (still exit 0) and ``serve`` logs them
+    at WARNING when it starts: they are choices an admin may make on purpose, so they
+    never stop the service.
+    """
+    warnings: list[str] = []
+    g, e = cfg.gateway, cfg.engine
+    if not _is_loopback(g.host) and not g.tls_cert:
+        warnings.append(
+            f"gateway.host = {_show(g.host)} (allow_lan = true) without tls_cert/tls_key: "
+            "API keys, prompts and answers cross the network in clear text, readable "
+            "and replayable by anyone on the path; set gateway.tls_cert and "
+            "gateway.tls_key (docs/security.md)"
+        )
+    commands = [("engine", e.command)] + [
+        (f'models[{i}] ("{m.name}")', m.overrides["command"])
+        for i, m in enumerate(cfg.models)
+        if "command" in m.overrides
+    ]
+    for path, command in commands:
+        warnings += _api_key_warnings(path, command)
+    return warnings
+
+
+def _api_key_warnings(path: str, command: list[str]) -> list[str]:
+    warnings: list[str] = []
+    for i, arg in enumerate(command):
+        if "api_key" in _placeholders(arg):
+            warnings.append(
+                f"{path}.command[{i}] = {_show(arg)}: {{api_key}} puts the engine key on a "
+                "command line, which every local user can read (ps, /proc/PID/cmdline); "
+                "remove it: the engine gets its key in VLLM_API_KEY"
+            )
+    return warnings

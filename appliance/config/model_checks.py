@@ -1,0 +1,145 @@
+"""Rules across ``[[models]]`` tables and ``[engine]``: unique names, one owner per GPU,
+whole tensor-parallel groups, fallbacks that exist and do the same job, one name source.
+
+Each message names the table (``models[1] ("embed")``) and says what would be right.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from appliance import paths
+from appliance.config.checks import check_engine_keys
+from appliance.config.fields import _show
+from appliance.config.models import ModelConfig, ServedModel
+
+if TYPE_CHECKING:
+    from appliance.config.document import Config
+
+
+def _label(i: int, m: ModelConfig) -> str:
+    return f'models[{i}] ("{m.name}")'
+
+
+def check_models(cfg: Config, problems: list[str]) -> None:
+    if not cfg.models:
+        return
+    _check_engine_section(cfg, problems)
+    _check_unique_names(cfg.models, problems)
+    _check_gpus(cfg, problems)
+    _check_fallbacks(cfg, problems)
+    for i, (m, served) in enumerate(zip(cfg.models, cfg.served, strict=True)):
+        _check_task(i, m, served, problems)
+        if "command" in m.overrides or "env" in m.overrides:
+            check_engine_keys(served.engine, _label(i, m), problems)
+
+
+def _check_engine_section(cfg: Config, problems: list[str]) -> None:
+    e = cfg.engine
+    if isinstance(e.gpus, list):
+        problems.append(
+            "engine.gpus: with [[models]] each model has its own `gpus`; remove engine.gpus"
+        )
+    if e.served_model_name:
+        problems.append(
+            "engine.served_model_name: with [[models]] each model's `name` (and "
+            "`aliases`) is what clients send; remove engine.served_model_name"
+        )
+
+
+def _check_unique_names(models: tuple[ModelConfig, ...], problems: list[str]) -> None:
+    owner: dict[str, int] = {}
+    for i, m in enumerate(models):
+        for n in (m.name, *m.aliases):
+            if n in owner:
+                j = owner[n]
+                what = "the name" if n == models[j].name else "an alias"
+                problems.append(
+                    f"{_label(i, m)}: {_show(n)} is already {what} of "
+                    f"{_label(j, models[j])}; names and aliases must be unique"
+                )
+            else:
+                owner[n] = i
+
+
+def _check_gpus(cfg: Config, problems: list[str]) -> None:
+    owner: dict[int, int] = {}
+    several = len(cfg.models) > 1
+    for i, m in enumerate(cfg.models):
+        tp = m.tensor_parallel_size
+        if not m.gpus:
+            if several and cfg.engine.device != "cpu":
+                problems.append(
+                    f"{_label(i, m)}.gpus: missing; with several models each needs its "
+                    'GPUs, e.g. gpus = [0] (or set engine.device = "cpu")'
+                )
+            elif tp > 1 and cfg.engine.device != "cpu":
+                problems.append(
+                    f"{_label(i, m)}.tensor_parallel_size = {tp}: give the model's gpus "
+                    f"(a multiple of {tp} of them)"
+                )
+        elif len(m.gpus) % tp:
+            problems.append(
+                f"{_label(i, m)}.gpus = {list(m.gpus)!r}: {len(m.gpus)} GPU(s) is not a "
+                f"multiple of tensor_parallel_size = {tp} (each engine takes {tp})"
+            )
+        if tp > 1 and cfg.engine.device == "cpu":
+            problems.append(
+                f"{_label(i, m)}.tensor_parallel_size = {tp}: needs GPUs "
+                '(engine.device = "cpu"); on CPU use cpu_engines'
+            )
+        for g in m.gpus:
+            if g in owner:
+                j = owner[g]
+                problems.append(
+                    f"{_label(i, m)}.gpus: GPU {g} is already given to "
+                    f"{_label(j, cfg.models[j])}; no GPU belongs to two models"
+                )
+            else:
+                owner[g] = i
+
+
+def _check_fallbacks(cfg: Config, problems: list[str]) -> None:
+    by_name = {n: i for i, m in enumerate(cfg.models) for n in (m.name, *m.aliases)}
+    for i, m in enumerate(cfg.models):
+        if not m.fallback:
+            continue
+        where = f"{_label(i, m)}.fallback = {_show(m.fallback)}"
+        j = by_name.get(m.fallback)
+        if j is None:
+            problems.append(f"{where}: no model has that name; models: " + _names(cfg))
+        elif j == i:
+            problems.append(f"{where}: a model cannot fall back to itself")
+        elif cfg.served[j].task != cfg.served[i].task:
+            problems.append(
+                f"{where}: {cfg.served[j].name} serves {cfg.served[j].task}, this model "
+                f"{cfg.served[i].task}; a fallback must do the same job"
+            )
+        elif _fallback_target(cfg, j, by_name) == i:
+            problems.append(
+                f"{where}: {cfg.models[j].name} falls back to this model: a cycle "
+                "(fallback is one hop; remove one of the two)"
+            )
+
+
+def _fallback_target(cfg: Config, i: int, by_name: dict[str, int]) -> int | None:
+    fb = cfg.models[i].fallback
+    return by_name.get(fb) if fb else None
+
+
+def _names(cfg: Config) -> str:
+    return ", ".join(m.name for m in cfg.models)
+
+
+def _check_task(i: int, m: ModelConfig, served: ServedModel, problems: list[str]) -> None:
+    name = paths.packaged_name(served.model)
+    packaged = paths.PACKAGED_MODELS.get(name) if name is not None else None
+    if packaged is not None and m.task is not None and m.task != packaged.task:
+        problems.append(
+            f'{_label(i, m)}.task = "{m.task}": {served.model} is a {packaged.task} model'
+        )
+    if served.task == "embed" and served.speculative:
+        problems.append(
+            f"{_label(i, m)}.speculative: speculative decoding is for generate models, "
+            "not embeddings"
+        )

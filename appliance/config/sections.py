@@ -1,0 +1,441 @@
+"""The config's sections: one frozen dataclass per TOML table, each field with its default,
+the sentence that documents it, its bounds and whether a SIGHUP applies it (``live``).
+
+The defaults are the contract's. ``docs/configuration.md`` is generated from the field
+docs (``python -m appliance.config --markdown``) and a test fails when it is stale.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+COMMAND_PLACEHOLDERS = frozenset(
+    {"python", "model", "uds", "port", "gpu", "api_key", "served_model_name"}
+)
+MAX_GPUS = 8
+# The supervisor's own variables: the tree tag finds an engine's processes, systemd's
+# socket must never reach an engine, and GPU pinning is engine i -> GPU i.
+RESERVED_ENGINE_ENV = frozenset(
+    {
+        "LLM_APPLIANCE_ENGINE",
+        "NOTIFY_SOCKET",
+        "CUDA_VISIBLE_DEVICES",
+        "CUDA_DEVICE_ORDER",
+        "VLLM_API_KEY",
+    }
+)
+
+Device = Literal["auto", "cuda", "cpu"]
+Listen = Literal["unix", "tcp"]
+
+
+def _f(
+    default: Any,
+    doc: str,
+    *,
+    lo: float | None = None,
+    hi: float | None = None,
+    lo_open: bool = False,
+    live: bool = False,
+) -> Any:
+    """A config field: its default, the sentence that documents it, numeric bounds, and
+    ``live``: a SIGHUP puts a new value in force in the running daemon.
+
+    Mark a field live only when every use of it reads the running config at the time of
+    use (never a copy made at start-up): tests/unit/test_live_keys.py checks each one.
+    """
+    meta = {"doc": doc, "lo": lo, "hi": hi, "lo_open": lo_open, "live": live}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    host: str = _f(
+        "127.0.0.1",
+        "Address the gateway listens on. A non-loopback address needs "
+        "`allow_lan = true` (and should use TLS).",
+    )
+    port: int = _f(8080, "TCP port of the gateway.", lo=1, hi=65535)
+    allow_lan: bool = _f(False, "Allow `host` to be a non-loopback address.")
+    tls_cert: str = _f("", "PEM certificate file; with `tls_key` the gateway serves HTTPS.")
+    tls_key: str = _f("", "PEM private key file for `tls_cert`.")
+    keys_file: str = _f(
+        "/var/lib/llm-appliance/keys.json",
+        "API keys file (hashes only, mode 0600). Created with one admin key on "
+        "first start when missing or empty.",
+    )
+    max_body_bytes: int = _f(1048576, "Largest request body accepted; larger gets 413.", lo=1024)
+    max_tokens_cap: int = _f(
+        4096,
+        "Largest `max_tokens` a request may ask for; larger is "
+        "refused with 400 (never silently clamped). A chat request without "
+        "`max_tokens` (or with null) is sent to the engine with this value, never "
+        "more than the context leaves.",
+        lo=1,
+        live=True,
+    )
+    max_n: int = _f(
+        16,
+        "Largest `n` (answers per prompt) a request may ask for; larger gets 400. "
+        "Each answer is counted in the request's token cost.",
+        lo=1,
+        hi=16384,
+        live=True,
+    )
+    max_best_of: int = _f(
+        16,
+        "Largest `best_of` a request may ask for; larger gets 400. Counted like `n` "
+        "(vLLM 0.32 ignores it, other engines generate that many sequences).",
+        lo=1,
+        hi=16384,
+        live=True,
+    )
+    max_prompts: int = _f(
+        2048,
+        "Longest list of prompts (`/v1/completions` `prompt`) or inputs "
+        "(`/v1/embeddings` `input`) one request may carry; longer gets 400. Every "
+        "prompt is counted in the request's token cost.",
+        lo=1,
+        live=True,
+    )
+    max_answer_bytes: int = _f(
+        33554432,
+        "Largest non-streamed answer the gateway relays (it holds each one whole); "
+        "larger gets 502 and should be streamed. The default (32 MiB) holds the "
+        "longest plain-text answer the other limits allow many times over, and a "
+        "full batch of float embeddings of a small model.",
+        lo=65536,
+        live=True,
+    )
+    max_queue: int = _f(
+        256,
+        "Requests waiting for an engine beyond this get 503 with Retry-After.",
+        lo=0,
+        live=True,
+    )
+    queue_timeout_s: float = _f(
+        30.0,
+        "Longest a request waits in the queue before 503.",
+        lo=0,
+        lo_open=True,
+        live=True,
+    )
+    queue_aging_s: float = _f(
+        10.0,
+        "A queued request too large for the room any engine has now lets smaller ones "
+        "behind it go first, for at most this long; after that nobody passes it, so "
+        "it is not starved. 0 = strict arrival order.",
+        lo=0,
+        live=True,
+    )
+    metrics_public: bool = _f(
+        False,
+        "false: /metrics needs a key with scope `metrics` or "
+        "`admin`; true: anyone who can reach the gateway may read it.",
+        live=True,
+    )
+    max_connections: int = _f(
+        1024,
+        "Client connections open at once. One more is answered 503 and closed at once; "
+        "the open ones carry on. Each takes a file descriptor: serve raises its soft "
+        "open-files limit to fit, up to the hard limit (the unit's LimitNOFILE).",
+        lo=1,
+        hi=100_000,
+    )
+    header_timeout_s: float = _f(
+        10.0,
+        "A connection must send a complete request head (request line and headers) "
+        "within this of opening, or of the first byte of a later request; else 408 and "
+        "it is closed. Answers are never timed: long streams to slow readers go on. An "
+        "idle keep-alive connection is closed after 75 s.",
+        lo=0,
+        hi=3600,
+        lo_open=True,
+    )
+    body_timeout_s: float = _f(
+        30.0,
+        "A request body must be complete within this of its head; else 408 and the "
+        "connection is closed.",
+        lo=0,
+        hi=3600,
+        lo_open=True,
+    )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    python: str = _f("", 'The engine venv\'s python. "" = the one `llm-appliance setup` made.')
+    model: str = _f(
+        "",
+        "Model to serve: a local folder or a model id already in the local "
+        'cache. "" = the packaged SmolLM2-135M-Instruct that set-up converted. '
+        "Nothing is downloaded at run time.",
+    )
+    served_model_name: str = _f(
+        "", 'Model name clients use. "" = derived from the model (the folder\'s name, lower-case).'
+    )
+    device: Device = _f(
+        "auto",
+        "`auto` uses the NVIDIA GPUs NVML finds, else the CPU; "
+        "`cuda` requires GPUs; `cpu` never uses them.",
+    )
+    gpus: Literal["auto"] | list[int] = _f(
+        "auto",
+        '`"auto"` = every GPU NVML finds, or a '
+        "list of GPU indices like `[0, 1]`; one engine "
+        "per GPU.",
+    )
+    cpu_engines: int = _f(
+        1,
+        "With device = cpu: how many engines; the cores are split between them, and "
+        "each engine's processes are pinned to its share (unless engine.env sets "
+        "VLLM_CPU_OMP_THREADS_BIND).",
+        lo=1,
+        hi=MAX_GPUS,
+    )
+    listen: Listen = _f(
+        "unix",
+        "Where engines listen. `unix`: a socket in the service's private runtime "
+        "directory (0700), which no other local user can reach, squat or impersonate. "
+        "`tcp`: 127.0.0.1:port_base+i, reachable by every local user; the supervisor "
+        "then checks that the listener belongs to the engine's own process tree before "
+        "it sends the engine key or marks it READY.",
+    )
+    port_base: int = _f(
+        8100, "With listen = tcp: engine i listens on 127.0.0.1:port_base+i.", lo=1024, hi=65535
+    )
+    max_model_len: int = _f(4096, "vLLM `--max-model-len`.", lo=16)
+    max_num_batched_tokens: int = _f(8192, "vLLM `--max-num-batched-tokens`.", lo=16)
+    gpu_memory_utilization: float = _f(
+        0.90, "vLLM `--gpu-memory-utilization` (GPU only).", lo=0, hi=1, lo_open=True
+    )
+    max_inflight: int = _f(
+        64,
+        "Requests admitted to one engine at once; more wait in the "
+        "gateway's queue. The thermal governor lowers it on a hot GPU.",
+        lo=1,
+        live=True,
+    )
+    max_inflight_tokens: int = _f(
+        131072,
+        "Tokens admitted to one engine at once (each request counts its prompt estimate "
+        "plus max_tokens); the thermal governor lowers it with max_inflight.",
+        lo=1,
+        live=True,
+    )
+    extra_args: list[str] = _f([], "Appended to the vLLM command line.")
+    env: dict[str, str] = _f({}, "Added to each engine's environment.")
+    command: list[str] = _f(
+        [],
+        "Replaces the whole engine command. Placeholders: {python} {model} {uds} "
+        "{port} {gpu} {served_model_name}; it must contain {uds} with listen = unix "
+        "and {port} with listen = tcp. The engine key is in the environment "
+        "(VLLM_API_KEY); {api_key} also works but puts it on a command line that "
+        "every local user can read (check-config warns).",
+    )
+    startup_timeout_s: float = _f(
+        900.0, "Longest an engine may take to become ready.", lo=1, live=True
+    )
+    stop_timeout_s: float = _f(
+        20.0,
+        "After SIGTERM, how long an engine's process tree may take to exit before SIGKILL.",
+        lo=0.1,
+        live=True,
+    )
+    cpu_kvcache_space_gib: float = _f(
+        1.0,
+        "With device = cpu: KV cache per engine in GiB (`VLLM_CPU_KVCACHE_SPACE`).",
+        lo=0,
+        lo_open=True,
+    )
+
+
+@dataclass(frozen=True)
+class TelemetryConfig:
+    source: str = _f(
+        "nvml",
+        "`nvml`, `none`, or `file:/path/sensors.json` (re-read every "
+        "interval; stands in for NVML without hardware).",
+    )
+    interval_s: float = _f(1.0, "How often GPUs are read.", lo=0.05, hi=3600, live=True)
+
+
+@dataclass(frozen=True)
+class ThermalConfig:
+    soft_limit_c: float = _f(
+        80.0,
+        "Above this a GPU is admitted less work, step by step.",
+        lo=20,
+        hi=120,
+        live=True,
+    )
+    hard_limit_c: float = _f(
+        87.0, "At or above this a GPU is admitted nothing new.", lo=20, hi=130, live=True
+    )
+    hysteresis_c: float = _f(
+        5.0,
+        "A throttle level drops only below its limit minus this.",
+        lo=0,
+        hi=30,
+        live=True,
+    )
+    heat_restart_after_s: float = _f(
+        0.0,
+        "0 = off. A GPU at the hard limit this long gets its engine drained and restarted "
+        "with --max-num-batched-tokens halved (smaller batches, lower power); restored "
+        "the same way after heat_restore_after_s at level 0. Pays off when a card "
+        "cannot cool at full batch (poor airflow, hot room); otherwise the admission "
+        "throttle alone is cheaper than a restart.",
+        lo=0,
+        live=True,
+    )
+    heat_restore_after_s: float = _f(
+        900.0,
+        "How long a GPU with a heat-reduced engine must stay cool before the full "
+        "batch size is restored.",
+        lo=1,
+        live=True,
+    )
+
+
+@dataclass(frozen=True)
+class HealthConfig:
+    interval_s: float = _f(2.0, "How often each engine is checked.", lo=0.05, hi=3600, live=True)
+    probe_timeout_s: float = _f(
+        10.0,
+        "A real 1-token completion must answer within this (`/health` and `/metrics` "
+        "get at most 5 s of it: they do no inference).",
+        lo=0.05,
+        hi=3600,
+        live=True,
+    )
+    failures_to_restart: int = _f(
+        3,
+        "Consecutive failed checks, with no token progress, "
+        "before an engine counts as hung and is replaced.",
+        lo=1,
+        hi=100,
+        live=True,
+    )
+
+
+@dataclass(frozen=True)
+class RestartConfig:
+    backoff_initial_s: float = _f(
+        2.0,
+        "Wait before the first restart after a failure; doubles per consecutive failure.",
+        lo=0,
+        live=True,
+    )
+    backoff_max_s: float = _f(300.0, "Longest wait between restarts.", lo=0, live=True)
+    max_restarts_per_hour: int = _f(
+        6,
+        "More unplanned restarts (crash, hung, startup_timeout) than this within an hour "
+        "leave the engine FAILED.",
+        lo=0,
+        live=True,
+    )
+    max_planned_restarts_per_hour: int = _f(
+        6,
+        "Heat and degradation restarts allowed per engine within an hour, counted apart "
+        "from crashes: past it the engine keeps serving as it is (logged) instead of being "
+        "restarted again. Admin restarts are never refused by it.",
+        lo=0,
+        live=True,
+    )
+    drain_timeout_s: float = _f(
+        120.0,
+        "Longest wait for in-flight work before a restart or shutdown goes ahead.",
+        lo=0,
+        live=True,
+    )
+    degradation_restart: bool = _f(
+        True,
+        "Drain and restart engines the degradation detector flags.",
+        live=True,
+    )
+
+
+@dataclass(frozen=True)
+class DegradationConfig:
+    window_s: float = _f(
+        60.0,
+        "Window of engine samples the degradation detector judges.",
+        lo=1,
+        hi=3600,
+        live=True,
+    )
+    max_preemptions_per_min: float = _f(
+        30.0,
+        "More vLLM preemptions per minute than this over the window: preemption storm.",
+        lo=0,
+        lo_open=True,
+        live=True,
+    )
+    hang_s: float = _f(
+        30.0,
+        "Work present but no token generated for this long: hang. At most window_s.",
+        lo=1,
+        live=True,
+    )
+    leak_kv_usage: float = _f(
+        0.9,
+        "KV cache usage at or above this while at most one "
+        "request runs, for leak_hold_s: leaked KV blocks.",
+        lo=0,
+        hi=1,
+        lo_open=True,
+        live=True,
+    )
+    leak_hold_s: float = _f(
+        30.0,
+        "How long the KV-leak condition must hold. At most window_s.",
+        lo=1,
+        live=True,
+    )
+    slowdown_ratio: float = _f(
+        0.35,
+        "Tokens/s per running request below this fraction of "
+        "the engine's own learned baseline: slowdown.",
+        lo=0,
+        hi=1,
+        lo_open=True,
+        live=True,
+    )
+    rss_growth_ratio: float = _f(
+        1.5,
+        "Engine process-tree RSS above this multiple of its "
+        "baseline for the whole window: memory growth.",
+        lo=1,
+        lo_open=True,
+        live=True,
+    )
+    baseline_warmup_s: float = _f(
+        60.0,
+        "Seconds after an engine is ready before its baseline is learned.",
+        lo=0,
+        live=True,
+    )
+
+
+SECTIONS: dict[str, type[Any]] = {
+    "gateway": GatewayConfig,
+    "engine": EngineConfig,
+    "telemetry": TelemetryConfig,
+    "thermal": ThermalConfig,
+    "health": HealthConfig,
+    "restart": RestartConfig,
+    "degradation": DegradationConfig,
+}
+
+# "section.key" of every field marked live: what a reload (SIGHUP) applies in place.
+LIVE_KEYS: frozenset[str] = frozenset(
+    f"{name}.{f.name}"
+    for name, cls in SECTIONS.items()
+    for f in dataclasses.fields(cls)
+    if f.metadata["live"]
+)
