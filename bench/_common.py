@@ -428,3 +428,108 @@ def header(title: str, argv: Sequence[str], quiet: Quiet) -> str:
 
 def module_argv(module: str) -> list[str]:
     return [module, *sys.argv[1:]]
+
+
+# ---------------------------------------------------------------------------- timelines
+
+
+class StatePoller:
+    """Engine states over a run, from ``/admin/status`` every ``every_s``, for a timeline.
+
+    ``samples()`` gives ``{"t": [...], "engines": [[state of engine i at each t], ...],
+    "restarts": [{"at_s", "engine", "reason"}]}``; a poll that failed (the daemon busy,
+    a key being replaced) records ``None`` for every engine rather than guessing.
+    A restart is a rise of an engine's ``restarts`` counter between two polls.
+    """
+
+    def __init__(self, url: str, headers: dict[str, str], t0: float, every_s: float) -> None:
+        self.url = url
+        self.headers = headers
+        self.t0 = t0
+        self.every_s = every_s
+        self.t: list[float] = []
+        self.states: list[list[str | None]] = []
+        self.restarts: list[dict[str, Any]] = []
+        self._last: dict[int, tuple[int, dict[str, int]]] = {}
+
+    async def run(self, session: aiohttp.ClientSession, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            await self.poll(session)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), self.every_s)
+
+    async def poll(self, session: aiohttp.ClientSession) -> None:
+        now = time.monotonic() - self.t0
+        try:
+            async with session.get(
+                self.url + "/admin/status",
+                headers=self.headers,
+                timeout=aiohttp.ClientTimeout(total=2),
+            ) as r:
+                engines = (await r.json())["engines"] if r.status == 200 else None
+        except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError):
+            engines = None
+        self.t.append(round(now, 3))
+        if engines is None:
+            self.states.append([None] * len(self.states[-1] if self.states else []))
+            return
+        self.states.append([str(e["state"]) for e in engines])
+        for i, e in enumerate(engines):
+            count, by_reason = int(e.get("restarts") or 0), dict(e.get("restarts_by_reason") or {})
+            before = self._last.get(i)
+            if before is not None and count > before[0]:
+                rose = [k for k, v in by_reason.items() if v > before[1].get(k, 0)]
+                reason = ",".join(rose) or "?"
+                self.restarts.append({"at_s": round(now, 3), "engine": i, "reason": reason})
+            self._last[i] = (count, by_reason)
+
+    def samples(self) -> dict[str, Any]:
+        n = max((len(s) for s in self.states), default=0)
+        engines = [[s[i] if i < len(s) else None for s in self.states] for i in range(n)]
+        return {"t": self.t, "engines": engines, "restarts": self.restarts}
+
+
+def per_bin(times: Sequence[float], duration_s: float, bin_s: float = 1.0) -> list[int]:
+    """How many of ``times`` (seconds since the start) fall in each ``bin_s`` bin."""
+    counts = [0] * max(1, int(duration_s / bin_s) + 1)
+    for t in times:
+        if t >= 0:
+            counts[min(len(counts) - 1, int(t / bin_s))] += 1
+    return counts
+
+
+def p99_per_bin(
+    points: Sequence[tuple[float, float]], duration_s: float, bin_s: float = 1.0
+) -> list[float | None]:
+    """p99 latency (ms) of the (end time, latency s) points in each bin; None when empty."""
+    groups: list[list[float]] = [[] for _ in per_bin([], duration_s, bin_s)]
+    for t, lat in points:
+        if t >= 0:
+            groups[min(len(groups) - 1, int(t / bin_s))].append(lat)
+    return [round(pct(g, 99) * 1000, 2) if g else None for g in groups]
+
+
+def write_plot(
+    chart: Callable[[dict[str, Any], Path], None], data: dict[str, Any], path: str
+) -> None:
+    """Draw ``chart`` of ``data`` into ``path`` (PNG), or say in one line why not.
+
+    matplotlib is a bench-only extra (`pip install -e '.[bench]'`): without it the bench
+    still prints its tables and writes its JSON."""
+    if not path:
+        return
+    try:
+        chart(data, Path(path))
+    except ModuleNotFoundError as exc:
+        if exc.name is None or not exc.name.startswith("matplotlib"):
+            raise
+        print(f"(no PNG written to {path}: matplotlib is not installed; pip install '.[bench]')")
+        return
+    print(f"(chart written to {path})")
+
+
+def plot_path(plot: str, json_path: str | None) -> str:
+    """Where the chart goes: ``--plot``, else next to the JSON (``x.json`` → ``x.png``)."""
+    if plot or not json_path:
+        return plot
+    return str(Path(json_path).with_suffix(".png"))

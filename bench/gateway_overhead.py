@@ -28,7 +28,10 @@ Then (``--profile-levels``, 1 and 64 streams by default) py-spy records each dae
 under a gateway-only load and the table of where its CPU goes is printed.
 
     .venv/bin/python -m bench.gateway_overhead [--levels 1,16,64,256] [--rounds 3]
-        [--listen unix|tcp|both]
+        [--listen unix|tcp|both] [--json FILE.json] [--plot FILE.png]
+
+``--plot`` (or ``--json`` alone: the PNG goes next to it) draws the gateway's CPU per
+chunk and the latency it adds against concurrency (``bench.plots``).
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ from typing import Any
 import aiohttp
 import psutil
 
-from bench import profile
+from bench import plots, profile
 from bench._common import (
     Daemon,
     Result,
@@ -62,8 +65,10 @@ from bench._common import (
     module_argv,
     ms,
     pct,
+    plot_path,
     request,
     wait_for_quiet,
+    write_plot,
 )
 from tests.fakes.appliance_proc import REPO
 
@@ -432,6 +437,7 @@ def report(args: argparse.Namespace, quiet: Any, data: dict[str, Any]) -> str:
         )
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
+    write_plot(plots.gateway_overhead, result, plot_path(args.plot, args.json))
     return "\n".join(out)
 
 
@@ -474,6 +480,12 @@ def main() -> None:
     )
     ap.add_argument("--no-wait", action="store_true", help="do not wait for a quiet machine")
     ap.add_argument("--json", default="", help="also write the figures to this file")
+    ap.add_argument(
+        "--plot",
+        default="",
+        help="draw CPU per chunk and added latency vs concurrency into this PNG "
+        "(default: next to --json; needs matplotlib, the 'bench' extra)",
+    )
     args = ap.parse_args()
     args.listen = list(MODES) if args.listen == "both" else [args.listen]
     args.levels = [int(x) for x in args.levels.split(",")]

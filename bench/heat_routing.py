@@ -19,6 +19,10 @@ Reported per mode and load: request latency p50/p90/p99 (send → last byte), TT
 throughput (requests/s, tokens/s) and the share of requests each engine served.
 
     .venv/bin/python -m bench.heat_routing [--levels 16,24,32] [--rounds 2] [--round-s 6]
+        [--json FILE.json] [--plot FILE.png]
+
+``--json`` writes the figures per load and mode; ``--plot`` (or ``--json`` alone: the
+PNG goes next to it) draws latency and throughput of both modes (``bench.plots``).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from typing import Any
 
 import aiohttp
 
+from bench import plots
 from bench._common import (
     Result,
     Table,
@@ -48,8 +53,10 @@ from bench._common import (
     module_argv,
     ms,
     pct,
+    plot_path,
     request,
     wait_for_quiet,
+    write_plot,
 )
 
 MODES = ("heat-aware", "round-robin")
@@ -143,6 +150,36 @@ async def run(args: argparse.Namespace, d: Any) -> dict[tuple[int, str], dict[st
     return out
 
 
+def figures(args: argparse.Namespace, out: dict[tuple[int, str], Any]) -> dict[str, Any]:
+    """Per load and mode, what the table shows, as numbers (the --json and the chart)."""
+    levels: dict[str, dict[str, Any]] = {}
+    for n in args.levels:
+        for mode in MODES:
+            o = out[(n, mode)]
+            res: list[Result] = o["results"]
+            ok = [r for r in res if r.ok]
+            lat = [r.total for r in ok]
+            served = o["served"]
+
+            def r_ms(x: float) -> float:
+                return round(x * 1000, 2)
+
+            levels.setdefault(str(n), {})[mode] = {
+                "requests": len(res),
+                "failed": len(res) - len(ok),
+                "lat_p50_ms": r_ms(pct(lat, 50)),
+                "lat_p90_ms": r_ms(pct(lat, 90)),
+                "lat_p99_ms": r_ms(pct(lat, 99)),
+                "ttft_p99_ms": r_ms(pct([r.ttft for r in ok], 99)),
+                "req_per_s": round(len(ok) / o["elapsed"], 2),
+                # minus the finish chunk and [DONE]
+                "tokens_per_s": round(sum(max(0, r.events - 2) for r in ok) / o["elapsed"], 1),
+                # Health probes also reach the engines (~1 per interval each): small, included.
+                "share_hot": round(served[0] / max(1, served[0] + served[1]), 4),
+            }
+    return {"levels": levels}
+
+
 def report(args: argparse.Namespace, quiet: Any, out: dict[tuple[int, str], Any]) -> str:
     t = Table(
         [
@@ -208,6 +245,13 @@ def main() -> None:
     ap.add_argument("--token-delay-ms", type=float, default=5.0, help="the cool engine's speed")
     ap.add_argument("--max-inflight", type=int, default=16, help="engine.max_inflight")
     ap.add_argument("--no-wait", action="store_true", help="do not wait for a quiet machine")
+    ap.add_argument("--json", default="", help="also write the figures to this file")
+    ap.add_argument(
+        "--plot",
+        default="",
+        help="draw latency and throughput per mode into this PNG (default: next to --json; "
+        "needs matplotlib, the 'bench' extra)",
+    )
     args = ap.parse_args()
     args.levels = [int(x) for x in args.levels.split(",")]
     quiet = wait_for_quiet(0 if args.no_wait else 600)
@@ -235,6 +279,10 @@ def main() -> None:
     print()
     print(report(args, quiet, out))
     print(f"(throttle levels at the end: {levels}; took {time.monotonic() - t0:.0f} s)")
+    result = figures(args, out)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    write_plot(plots.heat_routing, result, plot_path(args.plot, args.json))
 
 
 if __name__ == "__main__":

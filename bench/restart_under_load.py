@@ -15,23 +15,32 @@ some moment of an event's window (event → READY again). Reported per window: r
 failures (streamed / not streamed), latency p50/p99/max, against the baseline.
 
     .venv/bin/python -m bench.restart_under_load [--clients 8] [--phases admin,crash,hang,degraded]
+        [--json FILE.json] [--plot FILE.png]
+
+``--json`` writes the windows and a per-second timeline (requests OK / failed by when
+they ended, p99 of the OK ones, both engines' states from ``/admin/status`` every
+0.25 s, restarts); ``--plot`` (or ``--json`` alone: next to it) draws that timeline.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import signal
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 
+from bench import plots
 from bench._common import (
     Result,
+    StatePoller,
     Table,
     client_session,
     completion_body,
@@ -39,13 +48,24 @@ from bench._common import (
     header,
     module_argv,
     ms,
+    p99_per_bin,
     pct,
+    per_bin,
+    plot_path,
     request,
     wait_for_quiet,
+    write_plot,
 )
 
 PHASES = ("admin", "crash", "hang", "degraded")
 POLL_S = 0.025
+STATES_EVERY_S = 0.25  # the timeline's engine states (the windows' timing polls at POLL_S)
+LABELS = {
+    "admin": "admin restart (drain → restart)",
+    "crash": "crash (SIGKILL)",
+    "hang": "hang (hang=true)",
+    "degraded": "degradation (preemption storm)",
+}
 
 
 @dataclass
@@ -106,6 +126,8 @@ async def run(args: argparse.Namespace, d: Any) -> dict[str, Any]:
 
         load = [asyncio.create_task(worker(w)) for w in range(args.clients)]
         t_start = time.monotonic()
+        poller = StatePoller(d.url, d.auth, t_start, STATES_EVERY_S)
+        polling = asyncio.create_task(poller.run(admin, stop))
         await asyncio.sleep(args.baseline_s)
         baseline_end = time.monotonic()
         for phase in args.phases:
@@ -132,14 +154,57 @@ async def run(args: argparse.Namespace, d: Any) -> dict[str, Any]:
             )
             await asyncio.sleep(args.settle_s)
         stop.set()
-        await asyncio.gather(*load)
+        await asyncio.gather(*load, polling)
+        t_end = time.monotonic()
         status = await poll_engine0(admin, d)
     return {
         "results": results,
         "windows": windows,
         "t_start": t_start,
+        "t_end": t_end,
         "baseline_end": baseline_end,
         "engine0": status,
+        "states": poller.samples(),
+    }
+
+
+def result_data(data: dict[str, Any]) -> dict[str, Any]:
+    """The --json: each window's timing, and the run's per-second timeline (the chart)."""
+    t0 = data["t_start"]
+    res: list[Result] = data["results"]
+    duration = data["t_end"] - t0
+    ended = [(r.start + r.total - t0, r) for r in res]
+
+    def rel(x: float | None) -> float | None:
+        return None if x is None else round(x - t0, 3)
+
+    windows: list[Window] = data["windows"]
+    return {
+        "requests": len(res),
+        "failed": sum(not r.ok for r in res),
+        "windows": [
+            {
+                "name": w.name,
+                "at_s": rel(w.start),
+                "detected_s": rel(w.detected),
+                "back_s": rel(w.back),
+                "states": w.states,
+                "note": w.note,
+            }
+            for w in windows
+        ],
+        "timeline": {
+            "bin_s": 1.0,
+            "counts": {
+                "ok": per_bin([t for t, r in ended if r.ok], duration),
+                "failed": per_bin([t for t, r in ended if not r.ok], duration),
+            },
+            "p99_ms": p99_per_bin([(t, r.total) for t, r in ended if r.ok], duration),
+            "states": data["states"],
+            "markers": [
+                {"at_s": rel(w.start), "label": LABELS[w.name].split(" (")[0]} for w in windows
+            ],
+        },
     }
 
 
@@ -193,13 +258,13 @@ def report(args: argparse.Namespace, quiet: Any, data: dict[str, Any], cfg: dict
         errors.update(f"{w.name}: {r.error}" for r in sel if not r.ok)
         det = "–" if w.detected is None else f"{(w.detected - w.start) * 1000:.0f} ms"
         back = "–" if w.back is None else f"{w.back - w.start:.2f} s"
-        label = {
-            "admin": "admin restart (drain → restart)",
-            "crash": "crash (SIGKILL)",
-            "hang": "hang (hang=true)",
-            "degraded": "degradation (preemption storm)",
-        }[w.name]
-        row(label, sel, det, back, " → ".join(w.states) + (f" ({w.note})" if w.note else ""))
+        row(
+            LABELS[w.name],
+            sel,
+            det,
+            back,
+            " → ".join(w.states) + (f" ({w.note})" if w.note else ""),
+        )
     total_failed = sum(not r.ok for r in res)
     head = header(
         "Restart under load and detection times", module_argv("bench.restart_under_load"), quiet
@@ -254,6 +319,13 @@ def main() -> None:
         "tens of seconds) instead of the fast settings above",
     )
     ap.add_argument("--no-wait", action="store_true", help="do not wait for a quiet machine")
+    ap.add_argument("--json", default="", help="also write the windows and timeline here")
+    ap.add_argument(
+        "--plot",
+        default="",
+        help="draw the run's timeline into this PNG (default: next to --json; needs "
+        "matplotlib, the 'bench' extra)",
+    )
     args = ap.parse_args()
     args.phases = [p for p in args.phases.split(",") if p]
     bad = set(args.phases) - set(PHASES)
@@ -305,6 +377,10 @@ def main() -> None:
     print()
     print(report(args, quiet, data, cfg))
     print(f"(took {time.monotonic() - t0:.0f} s)")
+    result = result_data(data)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    write_plot(plots.restart_under_load, result, plot_path(args.plot, args.json))
 
 
 if __name__ == "__main__":

@@ -20,6 +20,11 @@ one, a flood past ``max_queue``, and SIGHUP. Every request ends in exactly one c
 At the end the daemon gets SIGTERM; it must exit 0 and leave no engine process behind.
 Supervisor RSS and open fds are reported at start and end. Bounded in time; only
 loopback addresses are used.
+
+The report (``--out``) carries a per-second timeline: requests by class (by when they
+ended), the p99 of the OK ones, both engines' states from ``/admin/status`` every
+0.5 s, their restarts, and the chaos events; ``--plot`` (or ``--out`` alone: the PNG
+goes next to it) draws it (``bench.plots``; needs matplotlib, the ``bench`` extra).
 """
 
 from __future__ import annotations
@@ -44,6 +49,8 @@ import aiohttp
 import psutil
 
 from appliance import paths
+from bench import plots
+from bench._common import StatePoller, p99_per_bin, per_bin, plot_path, write_plot
 from tests.fakes.appliance_proc import (
     REPO,
     Appliance,
@@ -54,6 +61,8 @@ from tests.fakes.appliance_proc import (
 )
 
 RETRY_STATUSES = {429, 503}
+CLASSES = ("ok", "refused", "disconnected", "lost")
+STATES_EVERY_S = 0.5
 CLEAN_ENGINE_FAILURES = {502, 504}
 
 
@@ -66,9 +75,13 @@ class Tally:
     events: list[tuple[float, str]] = field(default_factory=list)
     # (second of run, latency) of ok requests, to show what each chaos event did
     timeline: list[tuple[float, float]] = field(default_factory=list)
+    t0: float = 0.0  # when the load started (monotonic)
+    # second of run at which each request ended, by class: the timeline's counts
+    ended: dict[str, list[float]] = field(default_factory=lambda: {c: [] for c in CLASSES})
 
     def add(self, cls: str, reason: str = "", example: str = "") -> None:
         self.classes[cls] += 1
+        self.ended[cls].append(time.monotonic() - self.t0)
         if reason:
             self.reasons[f"{cls}: {reason}"] += 1
         if cls == "lost" and len(self.lost_examples) < 10:
@@ -345,11 +358,15 @@ async def soak(args: argparse.Namespace) -> int:
         sup = psutil.Process(app.proc.pid)
         rss0, fds0 = sup.memory_info().rss, sup.num_fds()
         t0 = time.monotonic()
+        tally.t0 = t0
         until = t0 + args.duration
         timeout_s = 120.0 if args.engines == "real" else 30.0
         long_tokens = 128 if args.engines == "real" else 64
         connector = aiohttp.TCPConnector(limit=0)
+        poller = StatePoller(app.url, {"Authorization": f"Bearer {admin}"}, t0, STATES_EVERY_S)
+        stop_polling = asyncio.Event()
         async with aiohttp.ClientSession(connector=connector) as session:
+            polling = asyncio.create_task(poller.run(session, stop_polling))
 
             async def flood() -> None:
                 n = int(cfg["gateway"]["max_queue"]) * 3
@@ -399,6 +416,8 @@ async def soak(args: argparse.Namespace) -> int:
                 ),
                 *workers,
             )
+            stop_polling.set()
+            await polling
         rss1, fds1 = sup.memory_info().rss, sup.num_fds()
         pids = {p.pid for p in sup.children(recursive=True)}
         groups = set()
@@ -438,9 +457,27 @@ async def soak(args: argparse.Namespace) -> int:
         "log": str(log_path),
     }
     print(json.dumps(report, indent=2))
+    # The timeline goes in the file (for the chart), not on the screen: hundreds of numbers.
+    report["timeline"] = timeline(tally, poller, args.duration)
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2))
+    write_plot(plots.soak, report, plot_path(args.plot, args.out))
     return 0 if tally.classes["lost"] == 0 and not left and code == 0 else 1
+
+
+def timeline(tally: Tally, poller: StatePoller, duration_s: float) -> dict[str, Any]:
+    """Per second: requests by class, p99 of the OK ones; engine states; chaos events."""
+    # The flood and the last requests may end a little after the deadline.
+    end = max([duration_s, *(t for ts in tally.ended.values() for t in ts)])
+    return {
+        "bin_s": 1.0,
+        "counts": {c: per_bin(tally.ended[c], end) for c in CLASSES},
+        "p99_ms": p99_per_bin(tally.timeline, end),
+        "states": poller.samples(),
+        "markers": [
+            {"at_s": round(at, 1), "label": what.split(" (pid")[0]} for at, what in tally.events
+        ],
+    }
 
 
 def after_events(tally: Tally, window_s: float = 15.0) -> list[dict[str, Any]]:
@@ -466,6 +503,12 @@ def main() -> int:
     ap.add_argument("--engines", choices=["fake", "real"], default="fake")
     ap.add_argument("--concurrency", type=int, default=None)
     ap.add_argument("--out", help="also write the report as JSON here")
+    ap.add_argument(
+        "--plot",
+        default="",
+        help="draw the run's timeline into this PNG (default: next to --out; needs "
+        "matplotlib, the 'bench' extra)",
+    )
     args = ap.parse_args()
     args.duration = min(args.duration, 3600.0)
     if args.concurrency is None:
