@@ -9,7 +9,9 @@ supervisor asks for the gateway, which is built over the supervisor's side of th
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
+from appliance.audit import AuditLog, audit_path
 from appliance.config import Config, config_warnings
 from appliance.control import Listening
 from appliance.errors import ApplianceError
@@ -23,10 +25,12 @@ async def serve(config: Config, config_arg: str | None = None) -> int:
     """Run the appliance until it stops; its exit status."""
     for warning in config_warnings(config):
         log.warning("config: %s", warning)
-    supervisor = Supervisor(config, config_arg=config_arg)
+    # One audit log for both sides, beside the keys file (the state directory).
+    audit = AuditLog(audit_path(Path(config.gateway.keys_file)))
+    supervisor = Supervisor(config, config_arg=config_arg, audit=audit)
 
     async def start_http() -> Listening:
-        runner = await start_gateway(supervisor)
+        runner = await start_gateway(supervisor, audit)
         return Listening(link=runner.app[GATEWAY], close=runner.cleanup)
 
     try:

@@ -5,22 +5,29 @@ handler asks, the engine's runner answers from its own task, and the handler tur
 answer into a status code (200 done, 202 restart asked for, 409 refused). The wait for
 an answer is bounded: a runner answers at its next await, even in the middle of a health
 check, so the bound only ever catches a bug.
+
+Every command and every key change is recorded once in the audit trail
+(:mod:`appliance.audit`), whatever its end: the acting key's id, the target, and ok,
+refused (4xx) or error; never a secret or a request body.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Iterator
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
 from appliance import __version__
+from appliance.audit import Outcome
 from appliance.control import CommandResult, EngineStatus, GpuStatus
 from appliance.gateway.errors import GatewayError
-from appliance.gateway.keys import KeysFileError, KeySpecError, validate_key_id
+from appliance.gateway.keys import KeyRecord, KeysFileError, KeySpecError, validate_key_id
 
 if TYPE_CHECKING:
     from appliance.gateway.app import Gateway
@@ -101,6 +108,19 @@ async def _answer(ask: Awaitable[CommandResult]) -> CommandResult:
         ) from None
 
 
+@dataclass
+class _Entry:
+    """What one audited admin request did, filled in as the handler learns it."""
+
+    target: str
+    detail: dict[str, object] = field(default_factory=dict)
+
+
+def _actor(request: web.Request) -> str:
+    record = request.get("key")  # set by the auth middleware; /admin always has one
+    return f"key:{record.id}" if record is not None else "unknown"
+
+
 class Admin:
     """The /admin handlers of one gateway."""
 
@@ -119,6 +139,34 @@ class Admin:
     async def status(self, request: web.Request) -> web.Response:
         return web.json_response(status_document(self.gw))
 
+    @contextlib.contextmanager
+    def _audited(self, request: web.Request, action: str, target: str) -> Iterator[_Entry]:
+        """Record ``action`` once however the handler ends: ok, refused (a 4xx) or error.
+        A refusal records its status, code and field, never the message (it may quote
+        what the client sent)."""
+        entry = _Entry(target)
+        outcome: Outcome = "error"
+        try:
+            yield entry
+            outcome = "ok"
+        except GatewayError as exc:
+            outcome = "refused" if exc.status < 500 else "error"
+            entry.detail |= {"status": exc.status, "code": exc.code, "param": exc.param}
+            raise
+        except asyncio.CancelledError:
+            entry.detail["code"] = "client_gone"  # the command may still have been done
+            raise
+        finally:
+            entry.detail["remote"] = request.remote
+            self.gw.audit.record(action, entry.target, _actor(request), outcome, **entry.detail)
+
+    @staticmethod
+    def _engine_target(request: web.Request) -> str:
+        """``engine:<id>``; a path id that is no engine id is not copied into the trail (an
+        admin may have pasted a key there by mistake)."""
+        raw = request.match_info["id"]
+        return f"engine:{raw}" if _ENGINE_ID_RE.fullmatch(raw) and len(raw) <= 9 else "engine:?"
+
     def _engine_id(self, request: web.Request) -> int:
         """The engine a /admin/engines/{id}/... path names: 400 naming ``id`` unless it is
         a whole number in ASCII digits, 404 when no engine has it."""
@@ -134,25 +182,32 @@ class Admin:
         return int(raw)
 
     async def restart(self, request: web.Request) -> web.Response:
-        eid = self._engine_id(request)
-        result = await _answer(self.gw.appliance.restart(eid))
-        if not result.ok:
-            raise GatewayError(409, result.message, code="engine_busy")
+        with self._audited(request, "engine.restart", self._engine_target(request)) as entry:
+            eid = self._engine_id(request)
+            result = await _answer(self.gw.appliance.restart(eid))
+            if not result.ok:
+                entry.detail["message"] = result.message  # the supervisor's words
+                raise GatewayError(409, result.message, code="engine_busy")
         return web.json_response({"id": eid, "action": "restart", "accepted": True}, status=202)
 
     async def drain(self, request: web.Request) -> web.Response:
-        eid = self._engine_id(request)
         force = request.query.get("force") == "true"
-        result = await _answer(self.gw.appliance.drain(eid, force=force))
-        if not result.ok:
-            raise GatewayError(409, result.message, code="cannot_drain")
+        with self._audited(request, "engine.drain", self._engine_target(request)) as entry:
+            entry.detail["force"] = force
+            eid = self._engine_id(request)
+            result = await _answer(self.gw.appliance.drain(eid, force=force))
+            if not result.ok:
+                entry.detail["message"] = result.message
+                raise GatewayError(409, result.message, code="cannot_drain")
         return web.json_response({"id": eid, "state": result.state.value})
 
     async def resume(self, request: web.Request) -> web.Response:
-        eid = self._engine_id(request)
-        result = await _answer(self.gw.appliance.resume(eid))
-        if not result.ok:
-            raise GatewayError(409, result.message, code="cannot_resume")
+        with self._audited(request, "engine.resume", self._engine_target(request)) as entry:
+            eid = self._engine_id(request)
+            result = await _answer(self.gw.appliance.resume(eid))
+            if not result.ok:
+                entry.detail["message"] = result.message
+                raise GatewayError(409, result.message, code="cannot_resume")
         self.gw.admission.kick()
         return web.json_response({"id": eid, "state": result.state.value})
 
@@ -160,6 +215,13 @@ class Admin:
         return web.json_response({"keys": [r.public_dict() for r in self.gw.keys.records]})
 
     async def keys_create(self, request: web.Request) -> web.Response:
+        with self._audited(request, "key.create", "key") as entry:
+            record, secret = await self._create_key(request)
+            entry.target = f"key:{record.id}"
+            entry.detail |= {"name": record.name, "scopes": sorted(record.scopes)}
+        return web.json_response({"key": secret, **record.public_dict()}, status=201)
+
+    async def _create_key(self, request: web.Request) -> tuple[KeyRecord, str]:
         try:
             body = await request.json()
         except (ValueError, RecursionError):
@@ -188,17 +250,20 @@ class Admin:
             raise GatewayError(400, str(exc), param=exc.field) from None
         except KeysFileError as exc:
             raise GatewayError(503, str(exc), code="keys_file_error", retry_after=5) from None
-        return web.json_response({"key": secret, **record.public_dict()}, status=201)
+        return record, secret
 
     async def keys_delete(self, request: web.Request) -> web.Response:
-        try:
-            key_id = validate_key_id(request.match_info["id"])
-        except KeySpecError as exc:
-            raise GatewayError(400, str(exc), param=exc.field) from None
-        try:
-            removed = await asyncio.to_thread(self.gw.keys.revoke, key_id)
-        except KeysFileError as exc:
-            raise GatewayError(503, str(exc), code="keys_file_error", retry_after=5) from None
-        if not removed:
-            raise GatewayError(404, f"no key with id {key_id!r}", code="unknown_key")
+        # The target is the id only once it is one: a secret pasted as an id stays out.
+        with self._audited(request, "key.revoke", "key:?") as entry:
+            try:
+                key_id = validate_key_id(request.match_info["id"])
+            except KeySpecError as exc:
+                raise GatewayError(400, str(exc), param=exc.field) from None
+            entry.target = f"key:{key_id}"
+            try:
+                removed = await asyncio.to_thread(self.gw.keys.revoke, key_id)
+            except KeysFileError as exc:
+                raise GatewayError(503, str(exc), code="keys_file_error", retry_after=5) from None
+            if not removed:
+                raise GatewayError(404, f"no key with id {key_id!r}", code="unknown_key")
         return web.json_response({"id": key_id, "revoked": True})

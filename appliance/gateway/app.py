@@ -21,6 +21,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from appliance.audit import AuditLog
 from appliance.control import Appliance
 from appliance.endpoint import EngineAddress
 from appliance.engine import EngineState
@@ -62,8 +63,9 @@ class ListenError(ApplianceError):
 class Gateway:
     """Everything the HTTP side holds: keys, limits, admission, metrics, one client session."""
 
-    def __init__(self, appliance: Appliance) -> None:
+    def __init__(self, appliance: Appliance, audit: AuditLog | None = None) -> None:
         self.appliance = appliance
+        self.audit = audit or AuditLog(None)  # None: audit lines go to the journal only
         cfg = appliance.config.gateway
         self.keys = KeyStore(Path(cfg.keys_file))
         self.watcher = KeyWatcher(self.keys, logger=log)
@@ -298,10 +300,10 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-def create_app(appliance: Appliance) -> web.Application:
+def create_app(appliance: Appliance, audit: AuditLog | None = None) -> web.Application:
     """The gateway's app over ``appliance``; ``app[GATEWAY]`` is its link for the supervisor
     (connected by :mod:`appliance.serve`, the only place that knows both sides)."""
-    gw = Gateway(appliance)
+    gw = Gateway(appliance, audit)
     app = web.Application(
         client_max_size=appliance.config.gateway.max_body_bytes,
         middlewares=[gateway_middleware],
@@ -343,7 +345,7 @@ async def _load_keys(gw: Gateway) -> None:
     if not gw.watcher.first_load():
         return
     try:
-        created = await asyncio.to_thread(ensure_admin_key, gw.keys, log)
+        created = await asyncio.to_thread(ensure_admin_key, gw.keys, log, gw.audit)
     except KeysFileError as exc:
         if gw.keys.signature is None:  # no file in force: an admin key not saved is no key
             gw.keys.apply(None, None)
@@ -353,10 +355,10 @@ async def _load_keys(gw: Gateway) -> None:
         log.warning("no API keys in %s: create one with `llm-appliance keys create`", gw.keys.path)
 
 
-async def start_gateway(appliance: Appliance) -> GatewayRunner:
+async def start_gateway(appliance: Appliance, audit: AuditLog | None = None) -> GatewayRunner:
     """The gateway, listening; its Gateway (the supervisor's link) is ``runner.app[GATEWAY]``."""
     g = appliance.config.gateway
-    app = create_app(appliance)
+    app = create_app(appliance, audit)
     gw = app[GATEWAY]
     await _load_keys(gw)
     ctx = _ssl_context(g.tls_cert, g.tls_key) if g.tls_cert else None

@@ -4,19 +4,23 @@ These work whether the daemon runs or not: every change is a locked read-modify-
 of the keys file (see :mod:`appliance.gateway.keys`), and a running daemon puts it in
 force within 2 s. A new key is printed once, alone on the first line of stdout, so
 ``KEY=$(llm-appliance keys create --name ci | head -1)`` works; everything else a
-command says goes to stderr.
+command says goes to stderr. ``create`` and ``revoke`` are recorded in the audit log
+beside the keys file (:mod:`appliance.audit`), with the local user as the actor.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import pwd
 import re
 import sys
 import time
 from datetime import UTC, datetime
 from pathlib import Path
 
+from appliance.audit import AuditLog, Outcome, audit_path, to_syslog
 from appliance.config import load_config
 from appliance.gateway.keys import (
     MAX_EXPIRES_DAYS,
@@ -52,6 +56,23 @@ def _store(args: argparse.Namespace) -> KeyStore:
     return KeyStore(Path(config.gateway.keys_file))
 
 
+def _actor() -> str:
+    """``cli:<user>``: the local account that ran the command (under sudo, root)."""
+    try:
+        return f"cli:{pwd.getpwuid(os.getuid()).pw_name}"
+    except KeyError:
+        return f"cli:uid={os.getuid()}"
+
+
+def _audit(store: KeyStore, action: str, target: str, outcome: Outcome, **detail: object) -> None:
+    # Who ran sudo, when someone did: the one name that tells the admins apart.
+    sudo_user = os.environ.get("SUDO_USER")
+    if sudo_user and os.getuid() == 0:
+        detail["sudo_user"] = sudo_user
+    log = AuditLog(audit_path(store.path), journal=to_syslog)
+    log.record(action, target, _actor(), outcome, **detail)
+
+
 def _fail(message: object, code: int = 1) -> int:
     print(f"llm-appliance: {message}", file=sys.stderr)
     return code
@@ -81,9 +102,13 @@ def cmd_create(args: argparse.Namespace) -> int:
             expires_days=_number(args.expires_days),
         )
     except KeySpecError as exc:
+        _audit(store, "key.create", "key", "refused", param=exc.field)
         return _fail(exc, 2)
     except KeysFileError as exc:
+        _audit(store, "key.create", "key", "error", code="keys_file_error")
         return _fail(exc)
+    scopes = sorted(record.scopes)
+    _audit(store, "key.create", f"key:{record.id}", "ok", name=record.name, scopes=scopes)
     sys.stdout.write(key + "\n")
     sys.stdout.flush()
     expires = _when(record.expires_at)
@@ -131,13 +156,21 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 def cmd_revoke(args: argparse.Namespace) -> int:
     store = _store(args)
+    target = "key:?"  # the id only once it is one: a secret pasted as an id stays out
     try:
         key_id = validate_key_id(args.id)
+        target = f"key:{key_id}"
         removed = store.revoke(key_id)
     except KeySpecError as exc:
+        _audit(store, "key.revoke", target, "refused", param=exc.field)
         return _fail(exc, 2)
     except KeysFileError as exc:
+        _audit(store, "key.revoke", target, "error", code="keys_file_error")
         return _fail(exc)
+    if removed:
+        _audit(store, "key.revoke", target, "ok")
+    else:
+        _audit(store, "key.revoke", target, "refused", code="unknown_key")
     if not removed:
         return _fail(
             f"no key with id {args.id!r} in {store.path} (`llm-appliance keys list` shows the ids)"

@@ -29,6 +29,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from appliance import paths, proctree
+from appliance.audit import AuditLog, Outcome
 from appliance.config import Config, load_config
 from appliance.control import (
     ApplianceStatus,
@@ -74,8 +75,10 @@ class Supervisor:
         notifier: Notifier | None = None,
         env: Mapping[str, str] | None = None,
         home: Path | None = None,
+        audit: AuditLog | None = None,
     ) -> None:
         self.config = config
+        self._audit = audit or AuditLog(None)  # reloads are admin actions: audited
         self._config_arg = config_arg
         self._env = dict(os.environ if env is None else env)
         self._home = home or paths.appliance_home(self._env)
@@ -317,15 +320,21 @@ class Supervisor:
     # ---- reload and the status line -------------------------------------------------
     def reload(self) -> None:
         self._reporter.notifier.reloading()
+        # The audit line names changed keys and counts problems, never a value (engine.env
+        # may hold a token).
+        outcome: Outcome = "ok"
+        detail: dict[str, object] = {}
         try:
             new = load_config(self._config_arg, self._env, require_file=bool(self.config.source))
         except ConfigError as exc:
+            outcome, detail["problems"] = "refused", len(exc.problems)
             log.error(
                 "reload refused; the running config stays in force:\n  %s",
                 "\n  ".join(exc.problems),
             )
         else:
             self.config, live, restart = merge_live(self.config, new)
+            detail |= {"applied": live, "need_restart": restart}
             if live:
                 log.info("reload applied: %s", ", ".join(live))
                 for r in self._runners:
@@ -342,6 +351,9 @@ class Supervisor:
             self._link.reload()
         except Exception:  # a failing key reload must not take the daemon down
             log.exception("reloading keys failed")
+            outcome, detail["keys"] = "error", "reload failed (see the journal)"
+        source = self.config.source or "built-in defaults"
+        self._audit.record("config.reload", f"config:{source}", "signal:SIGHUP", outcome, **detail)
         self._reporter.reloaded()
 
     def status_line(self) -> str:

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from appliance.audit import AuditLog
 from appliance.gateway.app import _load_keys
 from appliance.gateway.keys import KeysFileError, KeyStore, KeyWatcher, ensure_admin_key
 
@@ -103,9 +104,9 @@ async def test_a_first_admin_key_that_cannot_be_written_refuses_every_key(
     """No keys file and nowhere to write one (its directory cannot be made): the daemon
     still starts, refusing every key and saying why, instead of exiting into a loop."""
     store = KeyStore(Path("/proc/no-such-dir/keys.json"))
-    gateway = SimpleNamespace(keys=store, watcher=KeyWatcher(store))
+    gateway = SimpleNamespace(keys=store, watcher=KeyWatcher(store), audit=AuditLog(None))
     with caplog.at_level(logging.INFO, LOGGER):
-        await _load_keys(gateway)  # type: ignore[arg-type]  # only keys and watcher are used
+        await _load_keys(gateway)  # type: ignore[arg-type]  # only keys, watcher, audit used
     assert store.problem is not None and "/proc/no-such-dir" in store.problem
     assert store.records == ()
     assert "503 keys_file_error" in errors(caplog)[0]
