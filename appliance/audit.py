@@ -30,6 +30,9 @@ daemon's file the daemon's). It is kept 0600. Rotation is by size: over ``max_by
 is renamed to ``audit.log.1`` (older ones shift up to ``keep``) under an exclusive lock,
 and a fresh file starts.
 
+The journal: the daemon logs each line through the "appliance.audit" logger (its stderr
+is the journal); the CLI, run from a shell, sends it to syslog (:func:`to_syslog`).
+
 An audit write that fails never breaks the action it records: the journal line is
 written first, the failure is logged once (until a write succeeds again), and the action
 goes on.
