@@ -162,10 +162,22 @@ class Admission:
     ) -> int:
         """An engine id with a slot reserved for this request; release() it when done."""
         self.check_cost(cost)
+        self._refuse_unless_open(exclude)
+        g = self._config().gateway
+        if self.queue_depth == 0:
+            chosen = self._route(cost, session, exclude)
+            if chosen is not None:
+                return chosen
+        self._make_room_in_queue(batch, g.max_queue)
+        waiter = _Waiter(cost, session, exclude, batch, self._clock())
+        (self._batch if batch else self._interactive).append(waiter)
+        self.kick()  # room may exist for it: waiters ahead may be waiting for more room
+        return await self._wait_in_queue(waiter, g.queue_timeout_s)
+
+    def _refuse_unless_open(self, exclude: frozenset[int]) -> None:
+        """503 while shutting down, or when no engine (but the excluded) may serve soon."""
         if not self._accepting():
             raise self._reject(503, "the server is shutting down", "shutting_down", 5)
-        g = self._config().gateway
-        engines = self._engines()
         if not any(
             s.state
             in (
@@ -176,19 +188,19 @@ class Admission:
                 EngineState.EXITED,
             )
             and s.id not in exclude
-            for s in engines
+            for s in self._engines()
         ):
             raise self._reject(503, "no engine is ready to take requests", "no_engine", 10)
-        if self.queue_depth == 0:
-            chosen = self._route(cost, session, exclude)
-            if chosen is not None:
-                return chosen
+
+    def _make_room_in_queue(self, batch: bool, max_queue: int) -> None:
+        """Refuse a waiter the queue has no room for, or shed the newest batch waiter
+        to make room for an interactive one."""
         depth = self.queue_depth
-        if batch and depth >= max(1, g.max_queue // 2):
+        if batch and depth >= max(1, max_queue // 2):
             raise self._reject(
                 503, "the server is busy; batch requests are shed first", "shed_batch", 5
             )
-        if depth >= g.max_queue:
+        if depth >= max_queue:
             if batch or not self._batch:
                 raise self._reject(503, "the request queue is full", "queue_full", 5)
             shed = self._batch.pop()
@@ -198,15 +210,16 @@ class Admission:
                         503, "the server is busy; batch requests are shed first", "shed_batch", 5
                     )
                 )
-        waiter = _Waiter(cost, session, exclude, batch, self._clock())
-        (self._batch if batch else self._interactive).append(waiter)
-        self.kick()  # room may exist for it: waiters ahead may be waiting for more room
+
+    async def _wait_in_queue(self, waiter: _Waiter, timeout_s: float) -> int:
+        """The engine a release() or kick() hands the queued ``waiter``; 503 after
+        ``timeout_s``."""
         try:
-            return await asyncio.wait_for(asyncio.shield(waiter.future), g.queue_timeout_s)
+            return await asyncio.wait_for(asyncio.shield(waiter.future), timeout_s)
         except TimeoutError:
             raise self._reject(
                 503,
-                f"no engine could take the request within {g.queue_timeout_s:g} s",
+                f"no engine could take the request within {timeout_s:g} s",
                 "queue_timeout",
                 5,
             ) from None
@@ -218,7 +231,7 @@ class Admission:
                 and not waiter.future.cancelled()
                 and waiter.future.exception() is None
             ):
-                self.release(waiter.future.result(), cost)
+                self.release(waiter.future.result(), waiter.cost)
             raise
         finally:
             self._forget(waiter)

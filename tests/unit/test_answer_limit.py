@@ -1,5 +1,5 @@
 """A non-streamed answer is read whole, but never past a limit, on both relay paths:
-the splice connection's ``read_body`` and the aiohttp client's read (``_read_limited``).
+the splice connection's ``read_body`` and the aiohttp client's read (``via_client.read_limited``).
 Each framing an engine may use (Content-Length, chunked, until close) is checked against
 a real local server."""
 
@@ -13,8 +13,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from appliance.gateway.proxy import _read_limited
 from appliance.gateway.splice import AnswerTooLarge, UpstreamConnection
+from appliance.gateway.via_client import read_limited
 
 LIMIT = 64 * 1024
 BIG = 4 * 1024 * 1024
@@ -93,7 +93,7 @@ async def _client_read(handler: Handler) -> bytes:
             aiohttp.ClientSession() as session,
             session.get(f"http://127.0.0.1:{port}/") as resp,
         ):
-            return await asyncio.wait_for(_read_limited(resp, LIMIT), 5)
+            return await asyncio.wait_for(read_limited(resp, LIMIT), 5)
     finally:
         await runner.cleanup()
 

@@ -16,7 +16,7 @@ import pytest
 from appliance.config import GatewayConfig
 from appliance.gateway.cost import MEDIA_PART_TOKENS, TOKENS_PER_MESSAGE, text_tokens
 from appliance.gateway.errors import GatewayError
-from appliance.gateway.proxy import ParsedRequest, parse_body
+from appliance.gateway.request_body import ParsedRequest, parse_body
 
 CAP = 1000
 MML = 4096  # engine.max_model_len

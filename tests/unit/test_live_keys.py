@@ -35,7 +35,7 @@ from appliance.endpoint import EngineAddress
 from appliance.engine import EngineState
 from appliance.gateway.admission import Admission
 from appliance.gateway.errors import GatewayError
-from appliance.gateway.proxy import parse_body
+from appliance.gateway.request_body import parse_body
 from appliance.health import HealthHistory, Observation, assess
 from appliance.policy import degradation
 from appliance.policy.degradation import EMPTY_BASELINE, Baseline, EngineSample
@@ -56,7 +56,7 @@ class Case:
     base: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)  # running TOML
 
 
-# ---- gateway: what a request body is answered (proxy.parse_body per request) ----------
+# ---- gateway: what a request body is answered (request_body.parse_body per request) ----------
 def request(route: str, body: dict[str, Any]) -> Probe:
     """The gateway's verdict on a body, given the gateway section in force (as each
     request's handler reads it) at call time."""

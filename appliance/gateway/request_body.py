@@ -1,0 +1,97 @@
+"""What the relay reads of an OpenAI request body, and what the request costs.
+
+The gateway checks only what it needs to route and limit a request (the model, whether
+it streams, the route's required input); the engine validates the rest. Each refusal is
+a 400 naming the field (``param``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
+
+from appliance.config import GatewayConfig
+from appliance.gateway.cost import request_cost
+from appliance.gateway.errors import GatewayError
+from appliance.policy.routing import session_key
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedRequest:
+    route: str
+    model: str
+    stream: bool
+    cost: int  # tokens, as appliance/gateway/cost.py counts them
+    session: str | None
+    body: bytes  # what the engine is sent: the client's bytes, unless a field had to be set
+
+
+def bad_request(message: str, param: str | None = None) -> GatewayError:
+    return GatewayError(400, message, param=param, code="invalid_request", reason="bad_request")
+
+
+async def read_body(request: web.Request) -> bytes:
+    """The client's body, or a 400 when it cannot be read (413 and friends go through)."""
+    try:
+        return await request.read()
+    except web.HTTPException:
+        raise  # 413 and friends: the middleware words them
+    except (RequestPayloadError, aiohttp.ClientPayloadError, ValueError) as exc:
+        # e.g. Content-Encoding: gzip on a body that is not gzip
+        raise bad_request(f"the request body could not be read ({type(exc).__name__})") from None
+
+
+def _dump(body: dict[str, Any]) -> bytes:
+    try:
+        return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+    except UnicodeEncodeError:  # a lone surrogate (from a \ud800 escape) stays escaped
+        return json.dumps(body, separators=(",", ":")).encode()
+
+
+def _check_route_input(route: str, body: dict[str, Any]) -> None:
+    """The input each route cannot do without: messages, a prompt, an input."""
+    if route == "chat":
+        msgs = body.get("messages")
+        if not isinstance(msgs, list) or not msgs:
+            raise bad_request("'messages' must be a non-empty list", "messages")
+    elif route == "completions":
+        prompt = body.get("prompt")
+        if not isinstance(prompt, (str, list)) or (isinstance(prompt, list) and not prompt):
+            raise bad_request("'prompt' must be a string or a non-empty list", "prompt")
+    elif route == "embeddings":
+        inp = body.get("input")
+        if not isinstance(inp, (str, list)) or (isinstance(inp, list) and not inp):
+            raise bad_request("'input' must be a string or a non-empty list", "input")
+
+
+def parse_body(
+    route: str, raw: bytes, headers: Any, limits: GatewayConfig, max_model_len: int
+) -> ParsedRequest:
+    """Check what the gateway needs to know and what the request costs; the engine
+    validates the rest. The body is re-serialized only when a field must be set."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        raise bad_request("the request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad_request("'model' is required and must be a string", "model")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise bad_request("'stream' must be true or false", "stream")
+    _check_route_input(route, body)
+    cost = request_cost(route, body, limits, max_model_len)
+    if cost.write is not None:
+        name, value = cost.write
+        body[name] = value
+        raw = _dump(body)
+    user = body.get("user")
+    session = session_key(user if isinstance(user, str) else None, headers.get("X-Session-Id"))
+    return ParsedRequest(route, model, stream, cost.tokens, session, raw)

@@ -1,0 +1,126 @@
+"""The relay's aiohttp-client path: non-streamed requests, and HTTP/1.0 clients' streams.
+
+A non-streamed answer is read whole (within ``gateway.max_answer_bytes``) and sent on
+untouched; a stream is passed on chunk by chunk as aiohttp reads it. Streams from
+HTTP/1.1 clients take the faster path in via_splice.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING
+
+import aiohttp
+from aiohttp import web
+
+from appliance.gateway.answers import EngineCall, end_with_error_event, read_whole, stream_response
+from appliance.gateway.failures import RETRYABLE_STATUS, EngineFailure, failure_if_abandoned
+from appliance.gateway.splice import AnswerTooLarge
+
+if TYPE_CHECKING:
+    from appliance.gateway.app import Gateway
+
+
+async def read_limited(upstream: aiohttp.ClientResponse, limit: int) -> bytes:
+    """aiohttp's ``read()``, holding no more than ``limit`` bytes."""
+    if upstream.content_length is not None and upstream.content_length > limit:
+        raise AnswerTooLarge(limit)  # said up front: read none of it
+    chunks = []
+    size = 0
+    async for chunk in upstream.content.iter_any():
+        size += len(chunk)
+        if size > limit:
+            raise AnswerTooLarge(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def relay_via_client(gw: Gateway, call: EngineCall) -> web.StreamResponse | EngineFailure:
+    """A non-streamed request (or an HTTP/1.0 client's stream), through aiohttp."""
+    upstream = await _post(gw, call)
+    if isinstance(upstream, EngineFailure):
+        return upstream
+    call.attempt.close = upstream.close
+    try:
+        if upstream.status in RETRYABLE_STATUS:
+            return EngineFailure.engine_answered(upstream.status)
+        if not call.parsed.stream or upstream.status != 200:
+            return await _answer_whole(gw, call, upstream)
+        return await _stream(gw, call, upstream)
+    except (TimeoutError, aiohttp.ClientError) as exc:
+        return call.attempt.given_up or EngineFailure.of_client_error(exc)
+    finally:
+        if upstream.content.at_eof():
+            upstream.release()  # keep the connection for the next request
+        else:
+            upstream.close()  # closing mid-answer is what makes vLLM abort it
+
+
+async def _post(gw: Gateway, call: EngineCall) -> aiohttp.ClientResponse | EngineFailure:
+    """The engine's response head, or why there is none (abandon() included)."""
+    address = call.address
+    try:
+        return await gw.session_for(address).post(
+            address.base_url + call.path,
+            data=call.parsed.body,
+            headers=call.headers,
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
+        )
+    except (aiohttp.ClientError, OSError) as exc:
+        return EngineFailure.of_client_error(exc)
+    except asyncio.CancelledError:
+        failure = failure_if_abandoned(call.attempt)
+        if failure is None:
+            raise
+        return failure
+
+
+async def _answer_whole(
+    gw: Gateway, call: EngineCall, upstream: aiohttp.ClientResponse
+) -> web.Response:
+    body = await read_whole(
+        gw.appliance.config.gateway.max_answer_bytes,
+        lambda limit: read_limited(upstream, limit),
+    )
+    resp = web.Response(
+        status=upstream.status,
+        body=body,
+        content_type=upstream.content_type or "application/json",
+    )
+    gw.metrics.ttft.labels(call.parsed.route).observe(time.monotonic() - call.started)
+    return resp
+
+
+async def _stream(
+    gw: Gateway, call: EngineCall, upstream: aiohttp.ClientResponse
+) -> web.StreamResponse:
+    """The engine's chunks, each written on as it came; raises before the first one
+    (the caller retries), ends with an error event after it."""
+    request = call.client
+    resp = stream_response(upstream.headers.get("Content-Type", "text/event-stream"))
+    first = True
+    content = upstream.content
+    try:
+        async for chunk in content.iter_any():
+            if first:
+                # Headers go out with the first chunk: until then a failure can still
+                # be retried elsewhere without the client knowing.
+                await resp.prepare(request)
+                gw.metrics.ttft.labels(call.parsed.route).observe(time.monotonic() - call.started)
+                first = False
+            try:
+                await resp.write(chunk)
+            except ConnectionError:
+                # The client went away: not an engine failure, nothing to retry.
+                # Returning closes the upstream mid-answer, so vLLM aborts it.
+                request["status"] = 499
+                return resp
+    except (TimeoutError, aiohttp.ClientError) as exc:
+        if first:
+            raise
+        await end_with_error_event(request, resp, type(exc).__name__)
+    if first:
+        await resp.prepare(request)  # an empty stream: still a valid (empty) answer
+    await resp.write_eof()
+    return resp

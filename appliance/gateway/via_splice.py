@@ -1,0 +1,116 @@
+"""The relay's splice path: a streamed request from an HTTP/1.1 client.
+
+The engine's chunks go to the client's socket as they arrive, without a task step per
+chunk (splice.py says how). Until the first chunk is here nothing has reached the
+client, so a failure is an :class:`EngineFailure` the relay can retry elsewhere; after
+it, a failure ends the client's stream with an error event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+
+from appliance.gateway.answers import EngineCall, end_with_error_event, read_whole, stream_response
+from appliance.gateway.failures import RETRYABLE_STATUS, EngineFailure, failure_if_abandoned
+from appliance.gateway.splice import (
+    Head,
+    UpstreamConnection,
+    UpstreamError,
+    UpstreamPool,
+    request_bytes,
+)
+
+if TYPE_CHECKING:
+    from appliance.gateway.app import Gateway
+
+
+async def relay_via_splice(gw: Gateway, call: EngineCall) -> web.StreamResponse | EngineFailure:
+    """The response sent, or why the engine failed before its first chunk."""
+    pool = gw.upstreams
+    conn = await _connect(pool, call)
+    if isinstance(conn, EngineFailure):
+        return conn
+    attempt = call.attempt
+    attempt.close = lambda: conn.abort(attempt.why)
+    try:
+        head = await _until_first_chunk(gw, call, conn)
+        if not isinstance(head, Head):
+            return head  # a whole answer, or a failure to retry elsewhere
+        resp = stream_response(head.headers.get("content-type", "text/event-stream"))
+        resp.enable_chunked_encoding()
+        ended = await _splice_stream(gw, call, conn, resp)
+    finally:
+        pool.release(call.address, conn)
+    if ended:
+        with contextlib.suppress(ConnectionError):
+            await resp.write_eof()
+    return resp
+
+
+async def _connect(pool: UpstreamPool, call: EngineCall) -> UpstreamConnection | EngineFailure:
+    """A pooled or new engine connection, or why there is none (abandon() included)."""
+    try:
+        return await pool.acquire(call.address)
+    except UpstreamError as exc:
+        return EngineFailure.of_upstream(exc)
+    except asyncio.CancelledError:
+        failure = failure_if_abandoned(call.attempt)
+        if failure is None:
+            raise
+        return failure
+
+
+async def _until_first_chunk(
+    gw: Gateway, call: EngineCall, conn: UpstreamConnection
+) -> Head | web.Response | EngineFailure:
+    """Send the request; the head once a stream's first chunk is here, the whole answer
+    when it is not a stream, or why the engine failed (nothing reached the client)."""
+    try:
+        head = await conn.send(
+            request_bytes(call.path, call.address.host, call.headers, call.parsed.body)
+        )
+        if head.status in RETRYABLE_STATUS:
+            return EngineFailure.engine_answered(head.status)
+        if head.status != 200 or not head.chunked:
+            body = await read_whole(gw.appliance.config.gateway.max_answer_bytes, conn.read_body)
+            gw.metrics.ttft.labels(call.parsed.route).observe(time.monotonic() - call.started)
+            return web.Response(
+                status=head.status,
+                body=body,
+                content_type=head.headers.get("content-type", "application/json").split(";")[0],
+            )
+        # Headers go out with the first chunk: until then a failure can still be
+        # retried elsewhere without the client knowing.
+        await conn.wait_first_chunk()
+    except UpstreamError as exc:
+        return call.attempt.given_up or EngineFailure.of_upstream(exc)
+    return head
+
+
+async def _splice_stream(
+    gw: Gateway, call: EngineCall, conn: UpstreamConnection, resp: web.StreamResponse
+) -> bool:
+    """Send the head, then splice the engine's chunks to the client until the body ends;
+    whether the client's stream is still to be ended (not when the client went away)."""
+    request = call.client
+    try:
+        await resp.prepare(request)
+        await resp.write(b"")  # the head now: the engine's chunks follow it as they are
+        gw.metrics.ttft.labels(call.parsed.route).observe(time.monotonic() - call.started)
+        transport = request.transport
+        if transport is None:
+            raise UpstreamError("the client disconnected")
+        conn.splice_to(transport)  # a closing client transport aborts it at once
+        await conn.wait_spliced()
+    except UpstreamError as exc:
+        transport = request.transport
+        if transport is None or transport.is_closing():
+            request["status"] = 499  # the client went away: nothing to tell it
+            return False
+        await end_with_error_event(request, resp, str(exc))
+    return True
