@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from appliance import __version__, paths
-from appliance.errors import ApplianceError
+from appliance.errors import EXIT_CONFIG, ApplianceError
 from appliance.setup import ownership
 from appliance.setup.engine_venv import (
     Runner,
@@ -116,12 +116,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     home = args.home if getattr(args, "home", None) else paths.appliance_home()
+    config_arg = getattr(args, "config", None)
+    if config_arg and not Path(config_arg).exists():
+        # As for every command: a --config that names no file is a config error.
+        print(f"llm-appliance: --config {config_arg}: no such file", file=sys.stderr, flush=True)
+        return EXIT_CONFIG
     try:
         run_setup(
             Path(home).expanduser().absolute(),
             device=getattr(args, "device", "auto") or "auto",
             force=bool(getattr(args, "force", False)),
-            packaged=config_packaged_names(getattr(args, "config", None)),
+            packaged=config_packaged_names(config_arg),
         )
     except SetupError as exc:
         print(exc.render(), file=sys.stderr, flush=True)
