@@ -73,3 +73,14 @@ def test_layout_under_home() -> None:
     home = Path("/srv/appliance")
     assert paths.engine_python(home) == home / "engine-venv" / "bin" / "python"
     assert paths.packaged_model(home) == home / "models" / "SmolLM2-135M-Instruct"
+
+
+def test_packaged_models_by_name() -> None:
+    home = Path("/srv/appliance")
+    assert paths.packaged_model(home, "all-minilm-l6-v2") == home / "models" / "all-MiniLM-L6-v2"
+    assert paths.PACKAGED_MODELS["all-minilm-l6-v2"].task == "embed"
+    assert paths.PACKAGED_MODELS[paths.PACKAGED_MODEL_NAME].task == "generate"
+    assert paths.packaged_name("packaged:all-minilm-l6-v2") == "all-minilm-l6-v2"
+    assert paths.packaged_name("/srv/models/x") is None
+    with pytest.raises(KeyError):
+        paths.packaged_model(home, "no-such")
