@@ -47,6 +47,9 @@ class EngineStatus:
     waiting: float | None = None
     preemptions_total: float | None = None
     generation_tokens: float | None = None
+    model: str = ""  # the served model's name
+    gpus: tuple[int, ...] = ()  # all its GPUs (tensor parallel: several); () on CPU
+    task: str = "generate"  # "generate" | "embed"
 
     @property
     def port(self) -> int | None:
@@ -61,6 +64,11 @@ class EngineStatus:
         """The telemetry entry that stands for this engine: its GPU's index, else its id
         (engine i of a CPU box is telemetry entry i, so a sensors file can heat it)."""
         return self.gpu if self.gpu is not None else self.id
+
+    @property
+    def telemetry_indexes(self) -> tuple[int, ...]:
+        """Every telemetry entry of this engine: all its GPUs (tensor parallel), else its id."""
+        return self.gpus or (self.telemetry_index,)
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,9 +31,8 @@ import enum
 import secrets
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from appliance.config import Config
+from appliance.config import EngineConfig, ServedModel
 from appliance.endpoint import EngineAddress
 from appliance.errors import IllegalTransition
 
@@ -93,7 +92,7 @@ class EngineSpec:
     """Everything needed to launch engine ``id``; fixed for the life of the daemon."""
 
     id: int
-    gpu: int | None  # CUDA index, or None on CPU
+    gpu: int | None  # its first CUDA index, or None on CPU
     address: EngineAddress
     argv: tuple[str, ...]  # may hold API_KEY_SLOT: see argv_with_key
     tag: str  # LLM_APPLIANCE_ENGINE value inherited by its whole tree
@@ -101,6 +100,9 @@ class EngineSpec:
     served_model_name: str = ""
     # CPU engines: the cores its whole process tree is pinned to (None: not pinned).
     cpus: tuple[int, ...] | None = None
+    model: str = ""  # the served model's name ([[models]] name, or the one model's)
+    gpus: tuple[int, ...] = ()  # all its CUDA indices (tensor parallel: several)
+    task: str = "generate"  # "generate" | "embed"
 
     @property
     def name(self) -> str:
@@ -122,12 +124,6 @@ class EngineSpec:
 def new_api_key() -> str:
     """A per-spawn engine key: URL-safe and never starting with '-' (argv would eat it)."""
     return "eng-" + secrets.token_urlsafe(32)
-
-
-def served_name(config: Config, model_path: str) -> str:
-    if config.engine.served_model_name:
-        return config.engine.served_model_name
-    return Path(model_path.rstrip("/")).name.lower() or "model"
 
 
 def cpu_core_sets(cores: Sequence[int], engines: int) -> list[tuple[int, ...]]:
@@ -230,32 +226,34 @@ def ld_preload(libs: Sequence[str], inherited: str = "") -> str:
 
 
 def build_argv(
-    config: Config,
+    served: ServedModel,
     *,
     python: str,
     model: str,
     address: EngineAddress,
-    gpu: int | None,
-    served_model_name: str,
+    gpus: Sequence[int],
     on_gpu: bool,
     cpu_flags: Collection[str] = (),
+    speculative_json: str = "",
 ) -> tuple[str, ...]:
-    """The engine's command line: vLLM's OpenAI server, or the config's `command` override.
+    """The engine's command line: vLLM's OpenAI server, or the model's `command` override.
 
-    The engine key is not in it (it goes in the environment); a `command` that asks for
-    it with {api_key} gets :data:`API_KEY_SLOT`, filled in at each spawn. ``cpu_flags``
+    ``served`` is the model with its [engine] keys merged; ``model`` the resolved path or
+    id. The engine key is not in it (it goes in the environment); a `command` that asks
+    for it with {api_key} gets :data:`API_KEY_SLOT`, filled in at each spawn. ``cpu_flags``
     (a CPU engine's processor flags) pick its dtype: see :func:`choose_cpu_dtype`.
+    ``speculative_json`` is the model's --speculative-config with local paths resolved.
     """
-    e = config.engine
+    e = served.engine
     if e.command:
         values = {
             "python": python,
             "model": model,
             "uds": address.uds or "",
             "port": "" if address.port is None else str(address.port),
-            "gpu": "" if gpu is None else str(gpu),
+            "gpu": ",".join(map(str, gpus)),
             "api_key": API_KEY_SLOT,
-            "served_model_name": served_model_name,
+            "served_model_name": served.name,
         }
         return tuple(arg.format(**values) for arg in e.command)
     # vLLM ignores --host/--port when --uds is given. The key goes in the environment
@@ -272,7 +270,7 @@ def build_argv(
         "--model",
         model,
         "--served-model-name",
-        served_model_name,
+        served.name,
         *listen,
         "--max-model-len",
         str(e.max_model_len),
@@ -282,6 +280,12 @@ def build_argv(
         # the gateway counts requests in its metrics instead.
         "--disable-uvicorn-access-log",
     ]
+    if served.task == "embed":
+        argv += ["--runner", "pooling"]  # vLLM 0.32: serves /v1/embeddings, not chat
+    if served.tensor_parallel_size > 1:
+        argv += ["--tensor-parallel-size", str(served.tensor_parallel_size)]
+    if speculative_json:
+        argv += ["--speculative-config", speculative_json]
     if on_gpu:
         argv += ["--gpu-memory-utilization", f"{e.gpu_memory_utilization:g}"]
     else:
@@ -298,10 +302,10 @@ def build_argv(
 
 
 def build_env(
-    config: Config,
+    engine: EngineConfig,
     base: Mapping[str, str],
     *,
-    gpu: int | None,
+    gpus: Sequence[int],
     cpu_bind: str | None,
     engine_tag: str,
     preload: Sequence[str] = (),
@@ -327,19 +331,19 @@ def build_env(
             "LLM_APPLIANCE_ENGINE": engine_tag,
         }
     )
-    if gpu is not None:
+    if gpus:
         # NVML numbers GPUs by PCI bus; CUDA by default fastest-first. Pin CUDA to the
-        # same order so "engine i serves GPU i" pairs it with GPU i's temperature.
+        # same order so an engine's GPUs pair with those GPUs' temperatures.
         env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
-        env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
     else:
         env["CUDA_VISIBLE_DEVICES"] = ""
-        env["VLLM_CPU_KVCACHE_SPACE"] = f"{config.engine.cpu_kvcache_space_gib:g}"
+        env["VLLM_CPU_KVCACHE_SPACE"] = f"{engine.cpu_kvcache_space_gib:g}"
         if cpu_bind is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind
         if preload:
             env["LD_PRELOAD"] = ld_preload(preload, env.get("LD_PRELOAD", ""))
-    env.update(config.engine.env)
+    env.update(engine.env)
     return env
 
 

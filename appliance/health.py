@@ -32,6 +32,7 @@ STATUS_TIMEOUT_S = 5.0
 ENGINE_METRICS = frozenset(
     {
         "vllm:generation_tokens_total",
+        "vllm:prompt_tokens_total",
         "vllm:num_requests_running",
         "vllm:num_requests_waiting",
         "vllm:kv_cache_usage_perc",
@@ -120,8 +121,28 @@ async def read_kv_usage(
     return sums.get("vllm:kv_cache_usage_perc")
 
 
+# The probe: the smallest real piece of work on the route the model serves.
+_PROBE_ANSWER = {"/v1/completions": "choices", "/v1/embeddings": "data"}
+
+
+def _probe_request(task: str, model: str) -> tuple[str, dict[str, object]]:
+    if task == "embed":
+        return "/v1/embeddings", {"model": model, "input": PROBE_PROMPT}
+    return "/v1/completions", {
+        "model": model,
+        "prompt": PROBE_PROMPT,
+        "max_tokens": 1,
+        "temperature": 0,
+    }
+
+
 async def observe(
-    session: aiohttp.ClientSession, base_url: str, api_key: str, model: str, timeout_s: float
+    session: aiohttp.ClientSession,
+    base_url: str,
+    api_key: str,
+    model: str,
+    timeout_s: float,
+    task: str = "generate",
 ) -> Observation:
     """Run layers 2-4 against one engine.
 
@@ -156,24 +177,27 @@ async def observe(
     if health_ok:
         started = time.monotonic()
         try:
-            body = {"model": model, "prompt": PROBE_PROMPT, "max_tokens": 1, "temperature": 0}
+            route, body = _probe_request(task, model)
             async with session.post(
-                f"{base_url}/v1/completions",
+                f"{base_url}{route}",
                 json=body,
                 timeout=timeout,
                 headers={"Authorization": f"Bearer {api_key}"},
             ) as resp:
                 data = await resp.json(content_type=None)
-                probe_ok = resp.status == 200 and bool(data.get("choices"))
+                probe_ok = resp.status == 200 and bool(data.get(_PROBE_ANSWER[route]))
                 if not probe_ok:
                     detail.append(f"probe answered {resp.status}")
         except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
             waited = time.monotonic() - started
             detail.append(f"probe: {type(exc).__name__} after {waited:.1f} s")
+    # The progress counter the hang and slowdown rules watch: tokens generated, or for a
+    # pooling (embed) model, which generates none, the prompt tokens it has embedded.
+    progress = "vllm:prompt_tokens_total" if task == "embed" else "vllm:generation_tokens_total"
     return Observation(
         health_ok,
         probe_ok,
-        sums.get("vllm:generation_tokens_total"),
+        sums.get(progress),
         sums.get("vllm:num_requests_running"),
         "; ".join(detail),
         waiting=sums.get("vllm:num_requests_waiting"),

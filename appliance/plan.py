@@ -9,15 +9,16 @@ is tested without hardware. The machine facts are read by the small functions at
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import secrets
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from appliance import paths
-from appliance.config import Config
+from appliance.config import MAX_GPUS, Config, EngineConfig, ServedModel
 from appliance.endpoint import EngineAddress, socket_path
 from appliance.engine import (
     CpuDtype,
@@ -27,7 +28,6 @@ from appliance.engine import (
     choose_cpu_dtype,
     cpu_core_sets,
     omp_bind,
-    served_name,
 )
 from appliance.errors import ConfigError, EngineSetupError
 
@@ -38,14 +38,16 @@ SETUP_HINT = "run `llm-appliance setup` (or `scripts/setup` in a checkout) to cr
 class EnginePlan:
     device: str  # "cuda" | "cpu"
     python: str
-    model: str
-    served_model_name: str
+    model: str  # the first model's path or id (what the start log names with one model)
+    served_model_name: str  # the first model's name
     specs: tuple[EngineSpec, ...]
     boot_id: str
     # CPU engines: the dtype they get and why (None on GPU, or when engine.command
     # replaces the command line), and the libraries preloaded into them.
     cpu_dtype: CpuDtype | None = None
     preload: tuple[str, ...] = ()
+    # Each served model's name -> the path or id its engines load.
+    model_paths: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def cpu_note(self) -> str:
@@ -60,42 +62,78 @@ class EnginePlan:
             f"LD_PRELOAD: {', '.join(libs) or 'none'}"
         )
 
+    def summary(self) -> str:
+        """Which engines serve which model, for the start log."""
+        parts = []
+        for name, path in self.model_paths.items():
+            ids = [s.id for s in self.specs if s.model == name]
+            parts.append(f"{name!r} on engine(s) {','.join(map(str, ids))} from {path}")
+        return "; ".join(parts)
+
 
 def _looks_like_path(model: str) -> bool:
     return model.startswith(("/", "./", "../", "~"))
 
 
-def _uses(config: Config, placeholder: str) -> bool:
-    return any("{" + placeholder + "}" in a for a in config.engine.command)
+def _uses(e: EngineConfig, placeholder: str) -> bool:
+    return any("{" + placeholder + "}" in a for a in e.command)
 
 
-def resolve_python_and_model(config: Config, home: Path) -> tuple[str, str]:
-    """The engine python and model, checked to exist where we can tell."""
+def resolve_python(config: Config, home: Path) -> str:
+    """The engine python, checked to exist where some engine runs it."""
     e = config.engine
     python = e.python or str(paths.engine_python(home))
-    # vLLM gets the argv without a shell: expand ~ here or it reaches vLLM literally.
-    model = str(Path(e.model).expanduser()) if e.model else str(paths.packaged_model(home))
-    need_python = not e.command or _uses(config, "python")
-    need_model = not e.command or _uses(config, "model")
-    if need_python and not Path(python).exists():
-        where = "engine.python" if e.python else f"the engine venv (expected {python})"
+    needed = any(not m.engine.command or _uses(m.engine, "python") for m in config.served)
+    if needed and not Path(python).exists():
         raise EngineSetupError(
-            f"{where} does not exist: {SETUP_HINT}"
+            f"the engine venv (expected {python}) does not exist: {SETUP_HINT}"
             if not e.python
             else f"engine.python = {e.python!r} does not exist; fix the path or "
             f'set it to "" and {SETUP_HINT}'
         )
-    if need_model:
-        if not e.model and not (Path(model) / "config.json").exists():
+    return python
+
+
+def resolve_model(
+    served: ServedModel, home: Path, *, check: bool = True, key: str = "engine.model"
+) -> str:
+    """The path (or cached model id) a model's engines load, checked to exist where we
+    can tell: a packaged model must be prepared, a folder must be there."""
+    packaged = paths.packaged_name(served.model)
+    if not served.model or packaged is not None:
+        folder = paths.packaged_model(home, packaged or paths.PACKAGED_MODEL_NAME)
+        if check and not (folder / "config.json").exists():
+            what = f"{key} = {served.model!r}" if served.model else "the packaged model"
             raise EngineSetupError(
-                f"the packaged model is not prepared (expected {model}/config.json): {SETUP_HINT}"
+                f"{what} is not prepared (expected {folder}/config.json): {SETUP_HINT}"
             )
-        if e.model and _looks_like_path(e.model) and not Path(e.model).expanduser().exists():
-            raise EngineSetupError(
-                f"engine.model = {e.model!r}: no such folder (models are "
-                "never downloaded at run time)"
-            )
-    return python, model
+        return str(folder)
+    # vLLM gets the argv without a shell: expand ~ here or it reaches vLLM literally.
+    path = str(Path(served.model).expanduser())
+    if check and _looks_like_path(served.model) and not Path(path).exists():
+        raise EngineSetupError(
+            f"{key} = {served.model!r}: no such folder (models are never downloaded at run time)"
+        )
+    return path if _looks_like_path(served.model) else served.model
+
+
+def resolve_python_and_model(config: Config, home: Path) -> tuple[str, str]:
+    """The engine python and the first model's path (one-model callers: doctor, tests)."""
+    first = config.served[0]
+    need_model = not first.engine.command or _uses(first.engine, "model")
+    return resolve_python(config, home), resolve_model(first, home, check=need_model)
+
+
+def speculative_json(served: ServedModel, home: Path) -> str:
+    """The model's ``speculative`` table as vLLM's --speculative-config JSON ("" if none);
+    a draft model named ``packaged:NAME`` becomes its prepared folder."""
+    if not served.speculative:
+        return ""
+    spec = dict(served.speculative)
+    draft = spec.get("model")
+    if isinstance(draft, str) and paths.packaged_name(draft) is not None:
+        spec["model"] = str(paths.packaged_model(home, paths.packaged_name(draft) or ""))
+    return json.dumps(spec, separators=(",", ":"), sort_keys=True)
 
 
 def engine_address(config: Config, engine_id: int, socket_dir: Path | None) -> EngineAddress:
@@ -104,6 +142,36 @@ def engine_address(config: Config, engine_id: int, socket_dir: Path | None) -> E
     if socket_dir is None:
         raise ValueError('engine.listen = "unix" needs the private socket directory')
     return EngineAddress(uds=socket_path(socket_dir, engine_id))
+
+
+def _device(config: Config, gpu_count: int) -> str:
+    e = config.engine
+    if e.device == "cuda" and gpu_count == 0:
+        raise ConfigError(
+            ['engine.device = "cuda": no NVIDIA GPU found through NVML (use "auto" or "cpu")'],
+            config.source,
+        )
+    return "cpu" if e.device == "cpu" or (e.device == "auto" and gpu_count == 0) else "cuda"
+
+
+def _gpu_groups(config: Config, gpu_count: int) -> list[tuple[ServedModel, tuple[int, ...]]]:
+    """(model, its engine's GPUs) per GPU engine: one per tensor_parallel_size GPUs."""
+    out = []
+    for m in config.served:
+        gpus = list(range(min(gpu_count, MAX_GPUS))) if m.gpus is None else list(m.gpus)
+        missing = [g for g in gpus if g >= gpu_count]
+        if missing:
+            key = "engine.gpus" if not config.models else f"model {m.name!r}: gpus"
+            raise ConfigError(
+                [
+                    f"{key} = {gpus!r}: GPU(s) {missing} not present "
+                    f"(NVML sees {gpu_count}: 0..{gpu_count - 1})"
+                ],
+                config.source,
+            )
+        tp = m.tensor_parallel_size
+        out += [(m, tuple(gpus[i : i + tp])) for i in range(0, len(gpus) - tp + 1, tp)]
+    return out
 
 
 def plan_engines(
@@ -117,45 +185,34 @@ def plan_engines(
     cpu_flags: Collection[str] | None = None,
     preload: Sequence[str] | None = None,
 ) -> EnginePlan:
-    """The engines to run; ``socket_dir`` holds their sockets with engine.listen = unix.
+    """The engines to run, model by model; ``socket_dir`` holds their sockets with
+    engine.listen = unix. Engine ids run 0.. across all models in config order.
 
     ``cpu_flags`` (None: this machine's, :func:`read_cpu_flags`) pick a CPU engine's
     dtype; ``preload`` (None: what :func:`cpu_preload_libs` finds) goes in its LD_PRELOAD.
     """
-    e = config.engine
-    if e.device == "cuda" and gpu_count == 0:
-        raise ConfigError(
-            ['engine.device = "cuda": no NVIDIA GPU found through NVML (use "auto" or "cpu")'],
-            config.source,
-        )
-    device = "cpu" if e.device == "cpu" or (e.device == "auto" and gpu_count == 0) else "cuda"
-    gpus: list[int | None]
+    device = _device(config, gpu_count)
+    groups: list[tuple[ServedModel, tuple[int, ...]]]
     if device == "cuda":
-        if isinstance(e.gpus, list):
-            missing = [g for g in e.gpus if g >= gpu_count]
-            if missing:
-                raise ConfigError(
-                    [
-                        f"engine.gpus = {e.gpus!r}: GPU(s) {missing} not present "
-                        f"(NVML sees {gpu_count}: 0..{gpu_count - 1})"
-                    ],
-                    config.source,
-                )
-            gpus = list(e.gpus)
-        else:
-            gpus = list(range(min(gpu_count, 8)))
-        binds: list[str | None] = [None] * len(gpus)
-        core_sets: list[tuple[int, ...]] = [()] * len(gpus)
+        groups = _gpu_groups(config, gpu_count)
+        binds: list[str | None] = [None] * len(groups)
+        core_sets: list[tuple[int, ...]] = [()] * len(groups)
     else:
-        gpus = [None] * e.cpu_engines
-        core_sets = cpu_core_sets(cores, e.cpu_engines)
+        groups = [(m, ()) for m in config.served for _ in range(m.cpu_engines)]
+        # The cores are split between all engines of all models, each pinned as before.
+        core_sets = cpu_core_sets(cores, len(groups))
         binds = [omp_bind(s) for s in core_sets]
-    python, model = resolve_python_and_model(config, home)
-    name = (
-        served_name(config, model)
-        if e.model
-        else (e.served_model_name or paths.PACKAGED_MODEL_NAME)
-    )
+    python = resolve_python(config, home)
+    model_paths = {
+        m.name: resolve_model(
+            m,
+            home,
+            check=not m.engine.command or _uses(m.engine, "model"),
+            key=f'models[{i}] ("{m.name}").model' if config.models else "engine.model",
+        )
+        for i, m in enumerate(config.served)
+    }
+    e = config.engine
     on_cpu_vllm = device == "cpu" and not e.command  # our vLLM command line, on CPU
     cpu_dtype: CpuDtype | None = None
     flags: Collection[str] = ()
@@ -167,40 +224,83 @@ def plan_engines(
         if "LD_PRELOAD" in e.env:
             libs = ()  # engine.env's LD_PRELOAD replaces ours (build_env): nothing of ours
     boot_id = secrets.token_hex(4)
-    specs = []
-    for i, gpu in enumerate(gpus):
-        address = engine_address(config, i, socket_dir)
-        tag = f"{boot_id}-{i}"
-        argv = build_argv(
-            config,
-            python=python,
-            model=model,
-            address=address,
-            gpu=gpu,
-            served_model_name=name,
-            on_gpu=device == "cuda",
-            cpu_flags=flags,
-        )
-        env = build_env(config, base_env, gpu=gpu, cpu_bind=binds[i], engine_tag=tag, preload=libs)
-        # Pin a CPU engine's whole tree to its own cores, unless engine.env overrides the
-        # OMP binding (then the admin has their own layout). Unpinned, a starting engine is
-        # stuck behind its neighbour: at import, MKL hops onto every allowed core in turn
-        # to count them, and on a core where the other engine's OpenMP threads spin it can
-        # wait minutes to run (seen here: a restart never became READY).
-        pinned = binds[i] is not None and env.get("VLLM_CPU_OMP_THREADS_BIND") == binds[i]
-        specs.append(
-            EngineSpec(
-                id=i,
-                gpu=gpu,
-                address=address,
-                argv=argv,
-                tag=tag,
-                env=env,
-                served_model_name=name,
-                cpus=core_sets[i] if pinned and core_sets[i] else None,
-            )
-        )
-    return EnginePlan(device, python, model, name, tuple(specs), boot_id, cpu_dtype, libs)
+    ctx = _Shared(config, home, python, base_env, socket_dir, boot_id, device, flags, libs)
+    specs = [
+        _spec(ctx, i, m, gpus, model_paths[m.name], binds[i], core_sets[i])
+        for i, (m, gpus) in enumerate(groups)
+    ]
+    first = config.served[0]
+    return EnginePlan(
+        device,
+        python,
+        model_paths[first.name],
+        first.name,
+        tuple(specs),
+        boot_id,
+        cpu_dtype,
+        libs,
+        model_paths,
+    )
+
+
+@dataclass(frozen=True)
+class _Shared:
+    """What every engine of one plan shares."""
+
+    config: Config
+    home: Path
+    python: str
+    base_env: Mapping[str, str]
+    socket_dir: Path | None
+    boot_id: str
+    device: str
+    cpu_flags: Collection[str]
+    preload: tuple[str, ...]
+
+
+def _spec(
+    ctx: _Shared,
+    i: int,
+    m: ServedModel,
+    gpus: tuple[int, ...],
+    model_path: str,
+    bind: str | None,
+    cores: tuple[int, ...],
+) -> EngineSpec:
+    address = engine_address(ctx.config, i, ctx.socket_dir)
+    tag = f"{ctx.boot_id}-{i}"
+    argv = build_argv(
+        m,
+        python=ctx.python,
+        model=model_path,
+        address=address,
+        gpus=gpus,
+        on_gpu=ctx.device == "cuda",
+        cpu_flags=ctx.cpu_flags,
+        speculative_json=speculative_json(m, ctx.home),
+    )
+    env = build_env(
+        m.engine, ctx.base_env, gpus=gpus, cpu_bind=bind, engine_tag=tag, preload=ctx.preload
+    )
+    # Pin a CPU engine's whole tree to its own cores, unless engine.env overrides the
+    # OMP binding (then the admin has their own layout). Unpinned, a starting engine is
+    # stuck behind its neighbour: at import, MKL hops onto every allowed core in turn
+    # to count them, and on a core where the other engine's OpenMP threads spin it can
+    # wait minutes to run (seen here: a restart never became READY).
+    pinned = bind is not None and env.get("VLLM_CPU_OMP_THREADS_BIND") == bind
+    return EngineSpec(
+        id=i,
+        gpu=gpus[0] if gpus else None,
+        address=address,
+        argv=argv,
+        tag=tag,
+        env=env,
+        served_model_name=m.name,
+        cpus=cores if pinned and cores else None,
+        model=m.name,
+        gpus=gpus,
+        task=m.task,
+    )
 
 
 def usable_cores() -> list[int]:

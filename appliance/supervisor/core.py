@@ -210,13 +210,7 @@ class Supervisor:
         self._runners = [
             EngineRunner(spec, self, EngineProcess(spec), HttpProbe(spec)) for spec in plan.specs
         ]
-        log.info(
-            "plan: %d %s engine(s) serving %r from %s",
-            len(self._runners),
-            plan.device,
-            plan.served_model_name,
-            plan.model,
-        )
+        log.info("plan: %d %s engine(s): %s", len(self._runners), plan.device, plan.summary())
         if plan.cpu_note:
             log.info("plan: %s", plan.cpu_note)
         for r in self._runners:
@@ -309,7 +303,8 @@ class Supervisor:
     async def _shutdown_tasks(self) -> None:
         self._stop_runners()
         if self._runner_tasks:
-            await asyncio.wait(self._runner_tasks, timeout=self.config.engine.stop_timeout_s + 15)
+            longest = max(m.engine.stop_timeout_s for m in self.config.served)
+            await asyncio.wait(self._runner_tasks, timeout=longest + 15)
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -59,7 +59,7 @@ class PlannedRestart:
         """The heat loop's word about a READY engine: True when it asked for a restart."""
         if self.requested is not None:
             return False
-        full = self._config().engine.max_num_batched_tokens
+        full = self._config().engine_of(self._spec.model).max_num_batched_tokens
         if word.reduce and self.batched_tokens is None:
             if BATCHED_TOKENS_FLAG not in self._spec.argv:
                 return False  # a `command` override: nothing we can halve

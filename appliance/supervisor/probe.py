@@ -32,7 +32,12 @@ class HttpProbe:
         assert self._session is not None
         spec = self._spec
         return await observe(
-            self._session, spec.address.base_url, api_key, spec.served_model_name, timeout_s
+            self._session,
+            spec.address.base_url,
+            api_key,
+            spec.served_model_name,
+            timeout_s,
+            task=spec.task,
         )
 
     async def kv_usage(self, timeout_s: float) -> float | None:

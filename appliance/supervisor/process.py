@@ -17,7 +17,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from appliance import endpoint, proctree
 from appliance.engine import EngineSpec, new_api_key, with_batched_tokens
@@ -87,7 +87,7 @@ class EngineProcess:
         log.info(
             "%s: starting on %s, listening on %s: %s",
             spec.name,
-            f"GPU {spec.gpu}" if spec.gpu is not None else "CPU",
+            f"GPU {','.join(map(str, spec.gpus))}" if spec.gpus else "CPU",
             spec.address,
             " ".join(argv).replace(self.api_key, "***"),
         )
@@ -231,32 +231,40 @@ class EngineProcess:
 
     async def wait_resources_free(
         self,
-        reading: Callable[[], GpuReading | None],
+        readings: Callable[[], Sequence[GpuReading | None]],
         stopping: Callable[[], bool],
         poll_s: float,
     ) -> None:
-        """Until its TCP port is free (bounded) and, on a GPU, its memory released."""
+        """Until its TCP port is free (bounded) and, on GPUs, the memory of every one of
+        them released (a tensor-parallel engine holds memory on each of its GPUs)."""
         port = self.spec.address.port
         deadline = time.monotonic() + PORT_FREE_WAIT_S
         while port is not None and not proctree.port_is_free(port):
             if time.monotonic() > deadline or proctree.port_holder(port) is not None:
                 break  # someone else's now: reported when we try to start
             await asyncio.sleep(0.2)
-        if self.spec.gpu is None:
+        if not self.spec.gpus:
             return
         # vLLM's orphans used to keep GPU memory after the API server died (vllm#55510);
         # a new engine started before it is released fails to allocate its KV cache.
         deadline = time.monotonic() + GPU_MEMORY_WAIT_S
+        busy: list[int] = []
         while time.monotonic() < deadline and not stopping():
-            r = reading()
-            if r is None or r.memory_used_bytes is None or r.memory_total_bytes is None:
-                return
-            if r.memory_used_bytes < GPU_MEMORY_FREE_SHARE * r.memory_total_bytes:
+            busy = [g for g, r in zip(self.spec.gpus, readings(), strict=True) if _in_use(r)]
+            if not busy:
                 return
             await asyncio.sleep(poll_s)
-        log.warning(
-            "%s: GPU %d memory still in use after %.0f s; starting anyway",
-            self.spec.name,
-            self.spec.gpu,
-            GPU_MEMORY_WAIT_S,
-        )
+        if busy:
+            log.warning(
+                "%s: GPU %s memory still in use after %.0f s; starting anyway",
+                self.spec.name,
+                ",".join(map(str, busy)),
+                GPU_MEMORY_WAIT_S,
+            )
+
+
+def _in_use(r: GpuReading | None) -> bool:
+    """Whether a GPU's memory is still mostly taken (False when it cannot be told)."""
+    if r is None or r.memory_used_bytes is None or r.memory_total_bytes is None:
+        return False
+    return r.memory_used_bytes >= GPU_MEMORY_FREE_SHARE * r.memory_total_bytes

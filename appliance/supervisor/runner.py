@@ -102,6 +102,9 @@ class EngineRunner:
             state=self._state,
             api_key=self._process.api_key,
             served_model_name=self.spec.served_model_name,
+            model=self.spec.model or self.spec.served_model_name,
+            gpus=self.spec.gpus,
+            task=self.spec.task,
             pid=self._process.pid,
             restarts=book.restarts,
             restarts_by_reason=dict(book.by_reason),
@@ -276,7 +279,8 @@ class EngineRunner:
         proc = self._process
         if not proc.started:
             return RestartReason.CRASH
-        allowed = self._host.config.engine.startup_timeout_s  # fixed for this start
+        # Fixed for this start (a reload applies from the next one).
+        allowed = self._host.config.engine_of(self.spec.model).startup_timeout_s
         deadline = time.monotonic() + allowed
         while not self._host.stopping:
             if proc.returncode is not None:
@@ -423,7 +427,7 @@ class EngineRunner:
         ):
             self._set_state(EngineState.STOPPING)
         host = self._host
-        timeout = 0.0 if host.fast_stop else host.config.engine.stop_timeout_s
+        timeout = 0.0 if host.fast_stop else host.config.engine_of(self.spec.model).stop_timeout_s
         if reason in (RestartReason.HUNG, RestartReason.STARTUP_TIMEOUT):
             # It has not answered for a while: it will not shut down gracefully either
             # (a SIGSTOPped tree does not even see SIGTERM), so kill it soon.
@@ -444,10 +448,10 @@ class EngineRunner:
             self._set_state(EngineState.EXITED)
         if host.stopping:
             return
-        gpu = self.spec.gpu
+        gpus = self.spec.gpus
         await self._inbox.busy(
             self._process.wait_resources_free(
-                lambda: host.gpu_reading(gpu) if gpu is not None else None,
+                lambda: [host.gpu_reading(g) for g in gpus],
                 lambda: host.stopping,
                 host.config.telemetry.interval_s,
             )

@@ -10,8 +10,9 @@ be logged as applied while the old value stays in force.
 The search follows names, not types: a *running-config expression* is ``<x>.config``,
 ``config()`` / ``_config()`` (a callable handed to e.g. Admission), or a name bound to
 one; a *section* is ``<running-config>.<section>``, a name bound to one, or a
-parameter annotated with the section's class. ``config.py`` and ``reload.py`` define
-and merge keys and are not consumers.
+parameter annotated with the section's class. ``config.engine_of(model)`` is the
+``[engine]`` section as one model sees it. The ``config`` package and ``reload.py``
+define and merge keys and are not consumers.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import appliance
 from appliance.config import SECTIONS
 
 PACKAGE = Path(appliance.__file__).resolve().parent
-NOT_CONSUMERS = frozenset({"config.py", "reload.py"})
+NOT_CONSUMERS = frozenset({"reload.py"})
 SECTION_OF_CLASS = {cls.__name__: name for name, cls in SECTIONS.items()}
 FIELDS = {name: {f.name for f in dataclasses.fields(cls)} for name, cls in SECTIONS.items()}
 CONSTRUCTORS = frozenset({"__init__", "__post_init__", "__new__"})
@@ -92,6 +93,14 @@ class _Finder(ast.NodeVisitor):
         return None
 
     def _section(self, node: ast.expr) -> tuple[str, str] | None:
+        # config.engine_of(model): the [engine] keys in force for one model.
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "engine_of"
+        ):
+            via = self._whole(node.func.value)
+            return ("engine", via) if via else None
         if isinstance(node, ast.Attribute) and node.attr in SECTIONS:
             via = self._whole(node.value)
             return (node.attr, via) if via else None
@@ -215,6 +224,6 @@ def package_reads() -> Iterator[Read]:
     """Every read of a config key in the appliance package's consumers."""
     for path in sorted(PACKAGE.rglob("*.py")):
         module = path.relative_to(PACKAGE).as_posix()
-        if module in NOT_CONSUMERS:
+        if module in NOT_CONSUMERS or module.startswith("config/"):
             continue
         yield from reads_in(module, path.read_text(encoding="utf-8"))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import re
 import urllib.parse
@@ -21,7 +22,6 @@ from appliance.engine import (
     choose_cpu_dtype,
     cpu_core_split,
     new_api_key,
-    served_name,
 )
 from appliance.errors import IllegalTransition
 
@@ -102,12 +102,11 @@ def argv_for(
     """The spawned argv (the key filled in as a spawn does)."""
     address = EngineAddress(port=port) if port is not None else EngineAddress(uds=uds or SOCK)
     spec_argv = build_argv(
-        cfg,
+        dataclasses.replace(cfg.served[0], name="smol"),
         python=PY,
         model=MODEL,
         address=address,
-        gpu=gpu,
-        served_model_name="smol",
+        gpus=() if gpu is None else (gpu,),
         on_gpu=gpu is not None,
         cpu_flags=cpu_flags,
     )
@@ -265,9 +264,9 @@ def env_for(
     base: dict[str, str] | None = None,
 ) -> dict[str, str]:
     return build_env(
-        cfg,
+        cfg.engine,
         BASE if base is None else base,
-        gpu=gpu,
+        gpus=() if gpu is None else (gpu,),
         cpu_bind=cpu_bind,
         engine_tag="boot1-0",
         preload=preload,
@@ -421,5 +420,5 @@ def test_cpu_core_split_uses_every_core_once(n_cores: int, engines: int) -> None
     ],
 )
 def test_served_name(configured: str, model: str, expect: str) -> None:
-    cfg = parse_config({"engine": {"served_model_name": configured}})
-    assert served_name(cfg, model) == expect
+    cfg = parse_config({"engine": {"served_model_name": configured, "model": model}})
+    assert cfg.served[0].name == expect
