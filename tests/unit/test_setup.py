@@ -927,9 +927,9 @@ def test_module_entry_point_takes_config(
 def test_missing_config_file_is_a_config_error(
     home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    called: list[Any] = []
-    monkeypatch.setattr(setup_mod, "run_setup", lambda home, **kw: called.append(kw) or {})
+    called: dict[str, Any] = {}
+    monkeypatch.setattr(setup_mod, "run_setup", lambda home, **kw: called.update(kw) or {})
     missing = tmp_path / "nope.toml"
     assert setup_mod.main(["--home", str(home), "--config", str(missing)]) == 2
-    assert called == []
+    assert called == {}
     assert f"--config {missing}: no such file" in capsys.readouterr().err
