@@ -45,12 +45,16 @@ def toml_value(v: Any) -> str:
     return str(v)
 
 
-def write_config(path: Path, sections: dict[str, dict[str, Any]]) -> Path:
+def write_config(path: Path, sections: dict[str, Any]) -> Path:
+    """TOML from ``{section: {key: value}}``; a list of tables (``"models": [{...}]``)
+    becomes one ``[[section]]`` block per table."""
     lines = []
     for name, values in sections.items():
-        lines.append(f"[{name}]")
-        lines += [f"{k} = {toml_value(v)}" for k, v in values.items()]
-        lines.append("")
+        tables = values if isinstance(values, list) else [values]
+        for table in tables:
+            lines.append(f"[[{name}]]" if isinstance(values, list) else f"[{name}]")
+            lines += [f"{k} = {toml_value(v)}" for k, v in table.items()]
+            lines.append("")
     path.write_text("\n".join(lines))
     return path
 
@@ -295,7 +299,7 @@ def alive(pids: set[int]) -> set[int]:
 @contextlib.contextmanager
 def run_appliance(
     tmp: Path,
-    config: dict[str, dict[str, Any]],
+    config: dict[str, Any],
     env: dict[str, str] | None = None,
     *,
     config_via_env: bool = False,
