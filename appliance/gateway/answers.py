@@ -19,8 +19,8 @@ from aiohttp import web
 from appliance.endpoint import EngineAddress
 from appliance.gateway.errors import GatewayError, sse_error_event
 from appliance.gateway.failures import Attempt
+from appliance.gateway.http1 import AnswerTooLarge
 from appliance.gateway.request_body import ParsedRequest
-from appliance.gateway.splice import AnswerTooLarge
 
 log = logging.getLogger("appliance.gateway")
 

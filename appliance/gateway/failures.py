@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from appliance.gateway.errors import GatewayError
-from appliance.gateway.splice import UpstreamError
+from appliance.gateway.http1 import UpstreamError
 
 RETRYABLE_STATUS = frozenset({500, 502, 503, 504})
 

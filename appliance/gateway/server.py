@@ -15,7 +15,8 @@ instead, which
 
 - answers a malformed request with an OpenAI-shaped 400 that echoes nothing of what was
   sent, and notes it in a :class:`ThrottledLog`: one short line per kind of error per
-  minute plus a count of those held back, never any header or body content;
+  minute plus a count of those held back, never any header or body content (both in
+  protocol_errors.py);
 - closes a connection whose request head is not complete ``header_timeout_s`` after it
   opened, or after the first byte of a later head, answering 408;
 - fails the body read of a request whose body is not complete ``body_timeout_s`` after
@@ -37,25 +38,15 @@ production.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import resource
 from dataclasses import dataclass
-from http import HTTPStatus
 from typing import TYPE_CHECKING, Any, cast
 
 from aiohttp import web
-from aiohttp.http_exceptions import (
-    BadHttpMethod,
-    BadStatusLine,
-    HttpProcessingError,
-    InvalidHeader,
-    InvalidURLError,
-    LineTooLong,
-    PayloadEncodingError,
-)
 
-from appliance.gateway.errors import error_body, error_response
+from appliance.gateway.errors import error_response
+from appliance.gateway.protocol_errors import ThrottledLog, peer_of, raw_error, reply_to_error
 
 if TYPE_CHECKING:
     from aiohttp.streams import StreamReader
@@ -68,8 +59,6 @@ log = logging.getLogger("appliance.gateway")
 # drop their own idle connections sooner (httpx 5 s, aiohttp's client 15 s), so the
 # server's close rarely races a request sent on a connection it is closing.
 KEEPALIVE_TIMEOUT_S = 75.0
-# Each kind of client error is logged at most once per this; the rest are counted.
-LOG_INTERVAL_S = 60.0
 # After a last answer (503 refused, 408 head timeout) a connection waits this long at
 # most for its client to read it and close; no more than MAX_LINGERING wait at once.
 CLOSE_LINGER_S = 1.0
@@ -88,67 +77,6 @@ class ConnectionLimits:
     @classmethod
     def from_config(cls, g: GatewayConfig) -> ConnectionLimits:
         return cls(g.max_connections, g.header_timeout_s, g.body_timeout_s)
-
-
-@dataclass
-class _Kind:
-    until: float  # repeats before this are counted, not logged
-    level: int
-    held: int = 0
-    timer: asyncio.TimerHandle | None = None
-
-
-class ThrottledLog:
-    """At most one line per kind of event per interval; repeats are counted and the count
-    is logged when the interval ends, so a flood costs at most two lines a minute per
-    kind, not one (or eleven) a request. Kinds must come from a small fixed set (error
-    classes, never client input): each kind is remembered for the daemon's life."""
-
-    def __init__(self, logger: logging.Logger, interval_s: float = LOG_INTERVAL_S) -> None:
-        self._logger = logger
-        self._interval = interval_s
-        self._kinds: dict[str, _Kind] = {}
-
-    def note(
-        self,
-        kind: str,
-        level: int,
-        message: str,
-        *args: object,
-        exc_info: BaseException | None = None,
-    ) -> None:
-        loop = asyncio.get_running_loop()
-        now = loop.time()
-        k = self._kinds.get(kind)
-        if k is not None and now < k.until:
-            k.held += 1
-            if k.timer is None:
-                k.timer = loop.call_at(k.until, self._flush, kind)
-            return
-        if k is not None and k.held:
-            self._flush(kind)  # its timer is due but has not run yet
-        self._logger.log(level, message, *args, exc_info=exc_info)
-        self._kinds[kind] = _Kind(until=now + self._interval, level=level)
-
-    def _flush(self, kind: str) -> None:
-        k = self._kinds[kind]
-        if k.timer is not None:
-            k.timer.cancel()
-            k.timer = None
-        if k.held:
-            self._logger.log(k.level, "%d more %s in the last %g s", k.held, kind, self._interval)
-            k.held = 0
-            # A flood that goes on is reported once per interval, by count only.
-            k.until = asyncio.get_running_loop().time() + self._interval
-
-    def close(self) -> None:
-        """Log what is still held back (at shutdown) and stop the timers."""
-        for kind, k in self._kinds.items():
-            if k.held:
-                self._flush(kind)
-            elif k.timer is not None:
-                k.timer.cancel()
-                k.timer = None
 
 
 class BodyTimeout(TimeoutError):
@@ -172,46 +100,6 @@ class BodyTimeout(TimeoutError):
         )
         resp.force_close()
         return resp
-
-
-def describe_protocol_error(exc: BaseException | None, max_line: int) -> str:
-    """What was wrong with a request, from the error's class only: aiohttp's messages
-    quote the offending bytes, which may be a key."""
-    if isinstance(exc, LineTooLong):
-        return f"a request line or header is longer than {max_line} bytes"
-    if isinstance(exc, BadHttpMethod):
-        return "not an HTTP request (bad method; HTTPS sent to an HTTP port?)"
-    if isinstance(exc, BadStatusLine):
-        return "the request line is not valid HTTP"
-    if isinstance(exc, InvalidHeader):
-        return "a header is not valid HTTP"
-    if isinstance(exc, InvalidURLError):
-        return "the request target is not a valid URL"
-    if isinstance(exc, PayloadEncodingError):
-        return "the request body's framing or encoding is not valid HTTP"
-    return "the request head is not valid HTTP"
-
-
-def raw_error(status: int, message: str, code: str, retry_after: int | None = None) -> bytes:
-    """A complete OpenAI-shaped error answer, for the moments before aiohttp has a request
-    to answer (a refused connection, a head that never finished)."""
-    body = json.dumps(error_body(status, message, code=code)).encode()
-    head = [
-        f"HTTP/1.1 {status} {HTTPStatus(status).phrase}",
-        "Content-Type: application/json",
-        f"Content-Length: {len(body)}",
-        "Connection: close",
-    ]
-    if retry_after is not None:
-        head.append(f"Retry-After: {retry_after}")
-    return ("\r\n".join(head) + "\r\n\r\n").encode() + body
-
-
-def _peer(transport: asyncio.BaseTransport | None) -> str:
-    peer = transport.get_extra_info("peername") if transport is not None else None
-    if isinstance(peer, tuple) and peer:
-        return str(peer[0])
-    return "a local client"
 
 
 class GatewayRequestHandler(web.RequestHandler):
@@ -257,7 +145,7 @@ class GatewayRequestHandler(web.RequestHandler):
             "connections refused at gateway.max_connections",
             logging.WARNING,
             "refused a connection from %s: gateway.max_connections (%d) are open",
-            _peer(transport),
+            peer_of(transport),
             gw.limits.max_connections,
         )
         self._answer_and_close(
@@ -345,7 +233,7 @@ class GatewayRequestHandler(web.RequestHandler):
             logging.INFO,
             "closed a connection from %s: no complete request head within %g s "
             "(gateway.header_timeout_s)",
-            _peer(transport),
+            peer_of(transport),
             timeout,
         )
         self.close()  # aiohttp's: parse nothing more, take no further request
@@ -381,7 +269,7 @@ class GatewayRequestHandler(web.RequestHandler):
             logging.INFO,
             "request body from %s not complete within %g s (gateway.body_timeout_s); "
             "the connection is closed",
-            _peer(self.transport),
+            peer_of(self.transport),
             timeout,
         )
         payload.set_exception(BodyTimeout(timeout))
@@ -401,32 +289,8 @@ class GatewayRequestHandler(web.RequestHandler):
             # As aiohttp: part of an answer is out; the connection is beyond repair.
             raise ConnectionError("an answer was already started; cannot send an error")
         peer = request.remote or "a local client"
-        if isinstance(exc, HttpProcessingError):
-            kind = type(exc).__name__
-            what = describe_protocol_error(exc, max(self.max_line_size, self.max_field_size))
-            self._gw.notes.note(
-                f"malformed requests ({kind})",
-                logging.INFO,
-                "malformed request from %s (%s: %s): answered %d and closed",
-                peer,
-                kind,
-                what,
-                status,
-            )
-            resp = error_response(status, f"malformed HTTP request: {what}", code="bad_request")
-        elif status == 504:
-            resp = error_response(504, "the request timed out in the gateway", code="timeout")
-        else:
-            self._gw.notes.note(
-                f"unexpected errors ({type(exc).__name__})",
-                logging.ERROR,
-                "unexpected error on a request from %s",
-                peer,
-                exc_info=exc,
-            )
-            resp = error_response(
-                500, "internal error in the gateway; see its log", code="internal_error"
-            )
+        max_line = max(self.max_line_size, self.max_field_size)
+        resp = reply_to_error(self._gw.notes, peer, status, exc, max_line)
         resp.force_close()
         return resp
 

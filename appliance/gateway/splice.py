@@ -13,7 +13,7 @@ event) boundary, where an error event can still be appended cleanly.
 Scope: one POST at a time per connection, to an engine on loopback that answers
 HTTP/1.1; connections are kept alive in a pool per engine. The relay (proxy.py) uses it
 for streamed requests from HTTP/1.1 clients; everything else goes through aiohttp's
-client.
+client. The HTTP/1.1 it reads and writes (heads, chunks, the request) is in http1.py.
 
 Flow control: when a client does not read, its transport's buffer grows; above
 ``HIGH_WATER`` the engine connection stops reading (so the engine's socket fills and
@@ -25,16 +25,22 @@ from __future__ import annotations
 import asyncio
 import collections
 import enum
-from dataclasses import dataclass
 from typing import cast
 
 from appliance.endpoint import EngineAddress
+from appliance.gateway.http1 import (
+    MAX_HEAD_BYTES,
+    AnswerTooLarge,
+    Head,
+    UpstreamError,
+    is_whole_chunks,
+    parse_head,
+    scan_chunks,
+)
 
 HIGH_WATER = 256 * 1024
 LOW_WATER = 64 * 1024
-MAX_HEAD_BYTES = 64 * 1024
 MAX_BODY_BYTES = 64 * 1024 * 1024  # a non-streamed answer (an error body) read whole
-MAX_CHUNK_LINE = 1024
 MAX_IDLE_PER_ENGINE = 1024
 # vLLM's server closes a connection idle for 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE): reusing
 # one near that age races its close, and the request would fail as if the engine had.
@@ -42,119 +48,6 @@ MAX_IDLE_PER_ENGINE = 1024
 MAX_IDLE_S = 2.0
 CONNECT_TIMEOUT_S = 5.0
 DRAIN_POLL_S = 0.02
-
-
-class UpstreamError(Exception):
-    """The engine connection failed or spoke bad HTTP; ``str()`` says how.
-
-    ``timed_out`` is set where it is raised, when the engine did not answer in time (a
-    connect that timed out, a connection lost to ETIMEDOUT): the relay answers 504 for
-    those and 502 for every other failure, from this flag, never from the message.
-    """
-
-    def __init__(self, message: str, *, timed_out: bool = False) -> None:
-        super().__init__(message)
-        self.timed_out = timed_out
-
-
-class AnswerTooLarge(UpstreamError):
-    """A non-streamed answer is larger than the caller's limit: not the engine's fault,
-    and another engine would answer the same, so the relay does not retry it."""
-
-    def __init__(self, limit: int) -> None:
-        super().__init__(f"the engine's answer is larger than {limit} bytes")
-        self.limit = limit
-
-
-@dataclass(frozen=True, slots=True)
-class Head:
-    status: int
-    headers: dict[str, str]  # lower-case names; the last value wins
-
-    @property
-    def chunked(self) -> bool:
-        return "chunked" in self.headers.get("transfer-encoding", "").lower()
-
-    @property
-    def keep_alive(self) -> bool:
-        return "close" not in self.headers.get("connection", "").lower()
-
-
-def parse_head(raw: bytes) -> Head:
-    """Status line and headers of an HTTP/1.x response (``raw`` stops before CRLF CRLF)."""
-    lines = raw.split(b"\r\n")
-    parts = lines[0].split(b" ", 2)
-    if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or not parts[1].isdigit():
-        raise UpstreamError(f"bad status line {lines[0][:80]!r}")
-    headers: dict[str, str] = {}
-    for line in lines[1:]:
-        name, sep, value = line.partition(b":")
-        if not sep or not name.strip():
-            raise UpstreamError(f"bad header line {line[:80]!r}")
-        headers[name.strip().lower().decode("latin-1")] = value.strip().decode("latin-1")
-    return Head(int(parts[1]), headers)
-
-
-def is_whole_chunks(data: bytes) -> bool:
-    """Whether ``data`` is exactly whole, non-terminal chunks: the common case of one
-    read holding one token event, checked without copying anything."""
-    n = len(data)
-    pos = 0
-    while pos < n:
-        eol = data.find(b"\r\n", pos, pos + MAX_CHUNK_LINE)
-        if eol <= pos:
-            return False
-        try:
-            size = int(data[pos:eol], 16)  # a chunk extension (rare) takes the slow path
-        except ValueError:
-            return False
-        if size <= 0:
-            return False
-        pos = eol + 2 + size + 2
-        if pos > n or data[pos - 2 : pos] != b"\r\n":
-            return False
-    return True
-
-
-def scan_chunks(buf: bytes | bytearray) -> tuple[int, list[bytes], int]:
-    """The whole chunks at the start of a chunked body.
-
-    Returns ``(end, payloads, terminal)``: ``buf[:end]`` is whole chunks in wire form,
-    ``payloads`` their data; ``terminal`` is where the terminal (size 0) chunk starts
-    when it, with its trailers, ends the body at ``end``, else -1. Raises UpstreamError
-    on bad framing.
-    """
-    pos = 0
-    payloads: list[bytes] = []
-    n = len(buf)
-    while pos < n:
-        eol = buf.find(b"\r\n", pos, pos + MAX_CHUNK_LINE)
-        if eol < 0:
-            if n - pos >= MAX_CHUNK_LINE:
-                raise UpstreamError("chunk size line too long")
-            break
-        size_field = bytes(buf[pos:eol]).split(b";", 1)[0].strip()
-        try:
-            size = int(size_field, 16)
-        except ValueError:
-            raise UpstreamError(f"bad chunk size {size_field[:20]!r}") from None
-        if size < 0:
-            raise UpstreamError("bad chunk size (negative)")
-        if size == 0:
-            if buf[eol + 2 : eol + 4] == b"\r\n":  # no trailers: the usual end
-                return eol + 4, payloads, pos
-            end = buf.find(b"\r\n\r\n", eol)
-            if end < 0:
-                break
-            return end + 4, payloads, pos
-        data_end = eol + 2 + size
-        if data_end + 2 > n:
-            break
-        if buf[data_end : data_end + 2] != b"\r\n":
-            raise UpstreamError("chunk data not followed by CRLF")
-        payloads.append(bytes(buf[eol + 2 : data_end]))
-        pos = data_end + 2
-    return pos, payloads, -1
 
 
 class _Phase(enum.Enum):
@@ -369,47 +262,14 @@ class UpstreamConnection(asyncio.Protocol):
             self.abort(str(exc))
 
     def _advance_or_raise(self) -> None:
-        if self._phase is _Phase.HEAD:
-            end = self._buf.find(b"\r\n\r\n")
-            if end < 0:
-                if len(self._buf) > MAX_HEAD_BYTES:
-                    raise UpstreamError("the engine's response headers are too large")
-                return
-            head = parse_head(bytes(self._buf[:end]))
-            del self._buf[: end + 4]
-            self.reusable = head.keep_alive
-            if head.chunked:
-                self._framing = _Framing.CHUNKED
-            elif "content-length" in head.headers:
-                try:
-                    self._remaining = int(head.headers["content-length"])
-                except ValueError:
-                    raise UpstreamError("bad Content-Length from the engine") from None
-                self._framing = _Framing.LENGTH
-            else:
-                self._framing = _Framing.UNTIL_CLOSE
-                self.reusable = False
-            self._phase = _Phase.BODY
-            assert self._head is not None
-            if not self._head.done():
-                self._head.set_result(head)
+        if self._phase is _Phase.HEAD and not self._read_head():
+            return
         if self._phase is not _Phase.BODY:
             return
         if self._consumer is _Consumer.PENDING:
             self._notify()  # the relay may be waiting for its first chunk
         elif self._consumer is _Consumer.SPLICE:
-            end, _, terminal = scan_chunks(self._buf)
-            if terminal >= 0:
-                # The data goes out, not the engine's terminal chunk: the gateway ends
-                # the client's stream itself (after an error event, if need be).
-                if terminal:
-                    self._emit(bytes(self._buf[:terminal]))
-                del self._buf[:end]
-                self._finish()
-            elif end:
-                wire = bytes(self._buf[:end])
-                del self._buf[:end]
-                self._emit(wire)
+            self._splice_whole_chunks()
         elif self._framing is _Framing.CHUNKED:
             end, payloads, terminal = scan_chunks(self._buf)
             del self._buf[:end]
@@ -428,6 +288,48 @@ class UpstreamConnection(asyncio.Protocol):
             self._buf.clear()
             if self._closed:
                 self._finish()
+
+    def _read_head(self) -> bool:
+        """Take the response head off the buffer once it is all here; whether it was."""
+        end = self._buf.find(b"\r\n\r\n")
+        if end < 0:
+            if len(self._buf) > MAX_HEAD_BYTES:
+                raise UpstreamError("the engine's response headers are too large")
+            return False
+        head = parse_head(bytes(self._buf[:end]))
+        del self._buf[: end + 4]
+        self.reusable = head.keep_alive
+        if head.chunked:
+            self._framing = _Framing.CHUNKED
+        elif "content-length" in head.headers:
+            try:
+                self._remaining = int(head.headers["content-length"])
+            except ValueError:
+                raise UpstreamError("bad Content-Length from the engine") from None
+            self._framing = _Framing.LENGTH
+        else:
+            self._framing = _Framing.UNTIL_CLOSE
+            self.reusable = False
+        self._phase = _Phase.BODY
+        assert self._head is not None
+        if not self._head.done():
+            self._head.set_result(head)
+        return True
+
+    def _splice_whole_chunks(self) -> None:
+        """The whole chunks in the buffer go to the client; the terminal one ends it."""
+        end, _, terminal = scan_chunks(self._buf)
+        if terminal >= 0:
+            # The data goes out, not the engine's terminal chunk: the gateway ends
+            # the client's stream itself (after an error event, if need be).
+            if terminal:
+                self._emit(bytes(self._buf[:terminal]))
+            del self._buf[:end]
+            self._finish()
+        elif end:
+            wire = bytes(self._buf[:end])
+            del self._buf[:end]
+            self._emit(wire)
 
     def _keep(self, pieces: list[bytes]) -> None:
         for piece in pieces:
@@ -492,10 +394,3 @@ class UpstreamPool:
                 conn = idle.pop()
                 if conn.transport is not None:
                     conn.transport.close()
-
-
-def request_bytes(path: str, host: str, headers: dict[str, str], body: bytes) -> bytes:
-    """A POST as the engine is sent it; ``host`` is the Host header's value."""
-    lines = [f"POST {path} HTTP/1.1", f"Host: {host}", f"Content-Length: {len(body)}"]
-    lines += [f"{k}: {v}" for k, v in headers.items()]
-    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body

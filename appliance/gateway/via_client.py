@@ -16,7 +16,7 @@ from aiohttp import web
 
 from appliance.gateway.answers import EngineCall, end_with_error_event, read_whole, stream_response
 from appliance.gateway.failures import RETRYABLE_STATUS, EngineFailure, failure_if_abandoned
-from appliance.gateway.splice import AnswerTooLarge
+from appliance.gateway.http1 import AnswerTooLarge
 
 if TYPE_CHECKING:
     from appliance.gateway.app import Gateway

@@ -13,7 +13,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from appliance.gateway.splice import AnswerTooLarge, UpstreamConnection
+from appliance.gateway.http1 import AnswerTooLarge
+from appliance.gateway.splice import UpstreamConnection
 from appliance.gateway.via_client import read_limited
 
 LIMIT = 64 * 1024

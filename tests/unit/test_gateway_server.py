@@ -23,11 +23,11 @@ import pytest
 from aiohttp import web
 
 from appliance.gateway import server
+from appliance.gateway.protocol_errors import ThrottledLog
 from appliance.gateway.server import (
     BodyTimeout,
     ConnectionLimits,
     GatewayRunner,
-    ThrottledLog,
     ensure_fd_room,
 )
 

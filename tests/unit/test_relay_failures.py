@@ -26,8 +26,9 @@ from appliance.config import EngineConfig, GatewayConfig
 from appliance.endpoint import EngineAddress
 from appliance.gateway import splice
 from appliance.gateway.errors import GatewayError
+from appliance.gateway.http1 import UpstreamError
 from appliance.gateway.proxy import Relay
-from appliance.gateway.splice import UpstreamConnection, UpstreamError, UpstreamPool
+from appliance.gateway.splice import UpstreamConnection, UpstreamPool
 
 # The handler stores the caller's key record under a plain string, as the gateway's
 # middleware does (appliance/gateway/app.py), which aiohttp warns about.

@@ -17,14 +17,14 @@ import pytest
 
 from appliance.endpoint import EngineAddress
 from appliance.gateway import splice
-from appliance.gateway.splice import (
+from appliance.gateway.http1 import (
     UpstreamError,
-    UpstreamPool,
     is_whole_chunks,
     parse_head,
     request_bytes,
     scan_chunks,
 )
+from appliance.gateway.splice import UpstreamPool
 
 OK_HEAD = (
     b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
