@@ -75,3 +75,17 @@ def test_changed_only_when_a_model_was_unpacked(tmp_path: Path) -> None:
     first, second = once(), once()
     assert pattern.search(first), first
     assert not pattern.search(second), second
+
+
+def test_install_setup_reports_an_unpacked_model_as_changed() -> None:
+    """install.yml's set-up reads the config already on the host (a re-converge): a
+    model it unpacks is a change too."""
+    [install] = [
+        t for t in _tasks("tasks/install.yml") if "setup" in str(t.get("ansible.builtin.command"))
+    ]
+    m = re.search(r"stdout is search\(\s*'([^']+)'", install["changed_when"])
+    assert m
+    pattern = re.compile(m.group(1), re.MULTILINE)
+    assert pattern.search("[setup] model all-minilm-l6-v2: unpacked (/x)  3.1 s")
+    assert pattern.search("[setup] model: converted (/x)  40.0 s")
+    assert not pattern.search("[setup] model all-minilm-l6-v2: up to date (/x)  0.0 s")
