@@ -90,7 +90,7 @@ MODEL_KEY_DOCS: Mapping[str, tuple[str, str, str]] = {
 }
 # The context a packaged model supports, where it is below [engine].max_model_len's
 # default: vLLM refuses a --max-model-len above what the model was trained for.
-PACKAGED_CONTEXT: Mapping[str, int] = {"all-minilm-l6-v2": 512}
+PACKAGED_CONTEXT: Mapping[str, int] = {"all-minilm-l6-v2": 256}
 # vLLM 0.32's --speculative-config methods (vllm/config/speculative.py), plus its many
 # "<family>_mtp" ones, matched by suffix.
 SPECULATIVE_METHODS: frozenset[str] = frozenset(
@@ -202,7 +202,8 @@ def serve(engine: EngineConfig, models: Sequence[ModelConfig]) -> tuple[ServedMo
                 aliases=m.aliases,
                 model=model,
                 task=m.task or _packaged_task(model) or "generate",  # type: ignore[arg-type]
-                gpus=m.gpus,
+                # One model without gpus takes every GPU, as [engine] alone does.
+                gpus=m.gpus or (None if len(models) == 1 else ()),
                 tensor_parallel_size=m.tensor_parallel_size,
                 cpu_engines=engine.cpu_engines if m.cpu_engines is None else m.cpu_engines,
                 fallback=m.fallback,
