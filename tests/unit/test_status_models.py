@@ -1,0 +1,107 @@
+"""`llm-appliance status` with several models: engines grouped under a line per model that
+says whether it is ready, each engine's GPUs, and a daemon older than models still read."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from appliance.status import render_table
+
+
+def engine(
+    id: int, state: str = "READY", *, model: str | None = None, gpus: list[int] | None = None
+) -> dict[str, Any]:
+    e: dict[str, Any] = {
+        "id": id,
+        "gpu": gpus[0] if gpus else None,
+        "port": None,
+        "state": state,
+        "inflight": 0,
+        "throttle_level": 0,
+        "temperature_c": None,
+        "kv_cache_usage": None,
+        "restarts": 0,
+        "last_restart_reason": None,
+    }
+    if model is not None:
+        e["model"] = model
+    if gpus is not None:
+        e["gpus"] = gpus
+    return e
+
+
+def doc(*engines: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "version": "test",
+        "device": "cuda",
+        "uptime_s": 5.0,
+        "accepting": True,
+        "ready": True,
+        "queue_depth": 0,
+        "engines": list(engines),
+        "gpus": [],
+    }
+
+
+def cells(table: str, engine_id: int) -> list[str]:
+    """The cells of an engine's row (ids are the rows' first cell)."""
+    rows = [line.split() for line in table.splitlines() if line.split()[:1] == [str(engine_id)]]
+    assert len(rows) == 1, table
+    return rows[0]
+
+
+def test_each_model_has_a_heading_saying_ready_or_down_above_its_engines() -> None:
+    table = render_table(
+        doc(
+            engine(0, model="chat", gpus=[0]),
+            engine(1, "STARTING", model="chat", gpus=[1]),
+            engine(2, "FAILED", model="embed", gpus=[2]),
+        )
+    )
+    lines = table.splitlines()
+    chat = lines.index("model chat: ready, 1/2 engines READY")
+    embed = lines.index("model embed: DOWN, 0/1 engines READY")
+    assert chat < embed
+    # Each engine's row sits in its own model's block.
+    block_of = {
+        n: ("chat" if chat < i < embed else "embed" if i > embed else None)
+        for i, line in enumerate(lines)
+        for n in (0, 1, 2)
+        if line.split()[:1] == [str(n)]
+    }
+    assert block_of == {0: "chat", 1: "chat", 2: "embed"}
+    assert lines[chat + 1].split()[:2] == ["ENGINE", "GPU"]
+
+
+def test_a_tensor_parallel_engine_lists_all_its_gpus() -> None:
+    table = render_table(
+        doc(engine(0, model="big", gpus=[0, 1]), engine(1, model="embed", gpus=[2]))
+    )
+    assert cells(table, 0)[:3] == ["0", "0,1", "-"]
+    assert cells(table, 1)[:3] == ["1", "2", "-"]
+
+
+def test_columns_line_up_across_the_models_blocks() -> None:
+    table = render_table(
+        doc(engine(0, model="big", gpus=[0, 1, 2, 3]), engine(1, model="embed", gpus=[4]))
+    )
+    headers = [line for line in table.splitlines() if line.startswith("ENGINE")]
+    assert len(headers) == 2 and headers[0] == headers[1]
+    rows = [line for line in table.splitlines() if line[:1].isdigit()]
+    assert rows[0].index("READY") == rows[1].index("READY") == headers[0].index("STATE")
+
+
+def test_one_model_is_one_table_without_a_heading() -> None:
+    table = render_table(doc(engine(0, model="chat", gpus=[0]), engine(1, model="chat", gpus=[1])))
+    assert "model " not in table
+    assert [line.split()[0] for line in table.splitlines()[2:]] == ["ENGINE", "0", "1"]
+
+
+def test_a_daemon_older_than_models_is_read_from_gpu_alone() -> None:
+    """No "model", no "gpus": one table, the GPU column from "gpu"; the CPU's is "-"."""
+    old = engine(0)
+    old["gpu"] = 1
+    table = render_table(doc(old, engine(1)))
+    assert "model " not in table
+    assert cells(table, 0)[:2] == ["0", "1"]
+    assert cells(table, 1)[:2] == ["1", "-"]
