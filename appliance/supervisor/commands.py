@@ -11,7 +11,7 @@ The three Protocols are the runner's seams: the supervisor is its :class:`Runner
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -100,7 +100,7 @@ class ProcessHandle(Protocol):
     async def kill_tree(self, timeout_s: float) -> None: ...
     async def wait_resources_free(
         self,
-        reading: Callable[[], GpuReading | None],
+        readings: Callable[[], Sequence[GpuReading | None]],
         stopping: Callable[[], bool],
         poll_s: float,
     ) -> None: ...

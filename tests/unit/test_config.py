@@ -14,7 +14,6 @@ from typing import Any
 
 import pytest
 
-from appliance.config import load as config_load
 from appliance.cli import main
 from appliance.config import (
     CONFIG_ENV,
@@ -24,6 +23,7 @@ from appliance.config import (
     parse_config,
     resolve_config_path,
 )
+from appliance.config import load as config_load
 from appliance.errors import EXIT_CONFIG, ConfigError
 
 ALL_KEYS = sorted(

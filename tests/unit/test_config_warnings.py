@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from appliance.config import load as config_load
 from appliance.cli import main
 from appliance.config import CONFIG_ENV, Config, EngineConfig, config_warnings, parse_config
+from appliance.config import load as config_load
 from appliance.errors import ConfigError
 
 LAN = {"host": "0.0.0.0", "allow_lan": True}

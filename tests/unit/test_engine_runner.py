@@ -141,7 +141,7 @@ class FakeProcess:
 
     async def wait_resources_free(
         self,
-        reading: Callable[[], GpuReading | None],
+        readings: Callable[[], Sequence[GpuReading | None]],
         stopping: Callable[[], bool],
         poll_s: float,
     ) -> None:
