@@ -353,7 +353,7 @@ class Supervisor:
 
     def status_line(self) -> str:
         return status_line(
-            [(r.spec.name, r.state) for r in self._runners],
+            [(r.spec.name, r.state, r.spec.model) for r in self._runners],
             self._heat.readings if self._heat else {},
             sum(self._link.inflight(r.id) for r in self._runners),
             self._stopping or self._stop_task is not None,

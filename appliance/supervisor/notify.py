@@ -9,7 +9,8 @@
   engines' stop may outlast ``TimeoutStopSec``, and systemd must not kill the service
   in the middle of it. The stop bounds itself; the extensions come from the tick, so a
   stop whose loop is stuck still runs out of time;
-- ``STATUS=`` the one-line summary of :func:`status_line`, when it changes;
+- ``STATUS=`` the one-line summary of :func:`status_line` (ready engines per model when
+  there are several), when it changes;
 - ``WATCHDOG=1`` from the tick only, so a stalled loop is noticed and restarted.
 """
 
@@ -26,17 +27,20 @@ EXTEND_BY_S = 30.0
 
 
 def status_line(
-    engines: Sequence[tuple[str, EngineState]],
+    engines: Sequence[tuple[str, EngineState, str]],
     readings: Mapping[int, GpuReading],
     in_flight: int,
     stopping: bool,
 ) -> str:
-    """``2/2 engines ready; gpu0 64°C; 3 in flight``, and what is not READY, if any."""
-    n_ready = sum(state is EngineState.READY for _, state in engines)
-    parts = [f"{n_ready}/{len(engines)} engines ready"]
+    """``2/2 engines ready; gpu0 64°C; 3 in flight``, and what is not READY, if any.
+
+    ``engines``: (name, state, model) each. With several models the count is per model,
+    ``ready: chat 1/1, embed 0/1; ...``, so one model down shows at a glance.
+    """
+    parts = [_ready_counts(engines)]
     if stopping:
         parts[0] = "stopping; " + parts[0]
-    odd = [f"{name} {state.value}" for name, state in engines if state is not EngineState.READY]
+    odd = [f"{name} {state.value}" for name, state, _ in engines if state is not EngineState.READY]
     if odd:
         parts.append(", ".join(odd))
     temps = [
@@ -48,6 +52,19 @@ def status_line(
         parts.append(", ".join(temps))
     parts.append(f"{in_flight} in flight")
     return "; ".join(parts)
+
+
+def _ready_counts(engines: Sequence[tuple[str, EngineState, str]]) -> str:
+    """``2/2 engines ready`` for one model; ``ready: chat 1/1, embed 0/1`` for several
+    (models in the order their first engine comes: the config's)."""
+    per_model: dict[str, list[bool]] = {}
+    for _, state, model in engines:
+        per_model.setdefault(model, []).append(state is EngineState.READY)
+    if len(per_model) <= 1:
+        n_ready = sum(state is EngineState.READY for _, state, _ in engines)
+        return f"{n_ready}/{len(engines)} engines ready"
+    counts = (f"{model} {sum(ready)}/{len(ready)}" for model, ready in per_model.items())
+    return "ready: " + ", ".join(counts)
 
 
 class SystemdReporter:

@@ -14,8 +14,14 @@ from pathlib import Path
 import pytest
 
 from appliance.engine import EngineState
-from appliance.supervisor.notify import EXTEND_BY_S, EXTEND_EVERY_S, SystemdReporter
+from appliance.supervisor.notify import (
+    EXTEND_BY_S,
+    EXTEND_EVERY_S,
+    SystemdReporter,
+    status_line,
+)
 from appliance.systemd import CHILD_ENV_DENYLIST, Notifier, child_environment
+from appliance.telemetry import GpuReading
 
 
 def _receiver(address: str) -> socket.socket:
@@ -312,3 +318,25 @@ def test_no_extension_once_ready_and_not_stopping(
     for i in range(40):
         reporter.tick(100.0 + i, [EngineState.READY], True, "1/1 engines ready")
     assert _pending(sock) == ["READY=1", "STATUS=1/1 engines ready"]
+
+
+# --- the STATUS= line ---------------------------------------------------------------------
+READY, STARTING, FAILED = EngineState.READY, EngineState.STARTING, EngineState.FAILED
+
+
+def test_status_line_with_one_model_counts_engines() -> None:
+    engines = [("engine0", READY, "chat"), ("engine1", STARTING, "chat")]
+    line = status_line(engines, {0: GpuReading(0, temperature_c=64.2)}, 3, False)
+    assert line == "1/2 engines ready; engine1 STARTING; gpu0 64°C; 3 in flight"
+
+
+def test_status_line_with_several_models_counts_ready_engines_per_model() -> None:
+    engines = [
+        ("engine0", READY, "chat"),
+        ("engine1", READY, "chat"),
+        ("engine2", FAILED, "embed"),
+    ]
+    assert status_line(engines, {}, 0, False) == (
+        "ready: chat 2/2, embed 0/1; engine2 FAILED; 0 in flight"
+    )
+    assert status_line(engines, {}, 0, True).startswith("stopping; ready: chat 2/2, embed 0/1;")
