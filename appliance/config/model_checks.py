@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from appliance import paths
 from appliance.config.checks import check_engine_keys
 from appliance.config.fields import _show
-from appliance.config.models import ModelConfig, ServedModel
+from appliance.config.models import ModelConfig, ServedModel, _packaged_ok
 
 if TYPE_CHECKING:
     from appliance.config.document import Config
@@ -22,6 +22,8 @@ def _label(i: int, m: ModelConfig) -> str:
 
 
 def check_models(cfg: Config, problems: list[str]) -> None:
+    # [engine].model is every table's default, and the one model without tables.
+    _packaged_ok("engine.model", cfg.engine.model, problems)
     if not cfg.models:
         return
     _check_engine_section(cfg, problems)
@@ -132,11 +134,13 @@ def _names(cfg: Config) -> str:
 
 
 def _check_task(i: int, m: ModelConfig, served: ServedModel, problems: list[str]) -> None:
-    name = paths.packaged_name(served.model)
+    # model = "" is the packaged SmolLM2, as much as "packaged:smollm2-135m-instruct" is.
+    name = paths.packaged_name(served.model) if served.model else paths.PACKAGED_MODEL_NAME
     packaged = paths.PACKAGED_MODELS.get(name) if name is not None else None
     if packaged is not None and m.task is not None and m.task != packaged.task:
+        model = served.model or paths.PACKAGED_PREFIX + packaged.name
         problems.append(
-            f'{_label(i, m)}.task = "{m.task}": {served.model} is a {packaged.task} model'
+            f'{_label(i, m)}.task = "{m.task}": {model} is a model for task = "{packaged.task}"'
         )
     if served.task == "embed" and served.speculative:
         problems.append(
