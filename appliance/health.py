@@ -29,6 +29,12 @@ PROBE_PROMPT = "Hi"
 # /health and /metrics answer at once from a live API server (no inference): a few
 # seconds without an answer means frozen, whatever health.probe_timeout_s allows the probe.
 STATUS_TIMEOUT_S = 5.0
+# Speculative decoding's counters (only an engine with --speculative-config has them).
+SPEC_METRICS = (
+    "vllm:spec_decode_num_drafts_total",
+    "vllm:spec_decode_num_draft_tokens_total",
+    "vllm:spec_decode_num_accepted_tokens_total",
+)
 ENGINE_METRICS = frozenset(
     {
         "vllm:generation_tokens_total",
@@ -37,6 +43,7 @@ ENGINE_METRICS = frozenset(
         "vllm:num_requests_waiting",
         "vllm:kv_cache_usage_perc",
         "vllm:num_preemptions_total",
+        *SPEC_METRICS,
     }
 )
 
@@ -57,6 +64,10 @@ class Observation:
     waiting: float | None = None  # vllm:num_requests_waiting
     kv_cache_usage: float | None = None  # vllm:kv_cache_usage_perc (0..1)
     preemptions_total: float | None = None  # vllm:num_preemptions_total
+    # vllm:spec_decode_num_{drafts,draft_tokens,accepted_tokens}_total (None: no speculation)
+    spec_drafts: float | None = None
+    spec_draft_tokens: float | None = None
+    spec_accepted_tokens: float | None = None
 
 
 @dataclass(frozen=True)
@@ -203,4 +214,7 @@ async def observe(
         waiting=sums.get("vllm:num_requests_waiting"),
         kv_cache_usage=sums.get("vllm:kv_cache_usage_perc"),
         preemptions_total=sums.get("vllm:num_preemptions_total"),
+        spec_drafts=sums.get(SPEC_METRICS[0]),
+        spec_draft_tokens=sums.get(SPEC_METRICS[1]),
+        spec_accepted_tokens=sums.get(SPEC_METRICS[2]),
     )

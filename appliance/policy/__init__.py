@@ -5,6 +5,8 @@
   GPU may be given.
 - `degradation.assess(samples, baseline, policy, now) -> Verdict`: whether an engine
   should be drained and restarted.
+- `speculation.spec_figures(samples, now, window_s) -> SpecFigures`: acceptance rate and
+  mean accepted length of speculative decoding over a recent window.
 
 None of them does I/O or reads a clock; time is always passed in. The supervisor and
 the gateway own the state (previous levels, sample windows, baselines, affinity maps)
