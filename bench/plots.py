@@ -175,10 +175,11 @@ def soak(result: dict[str, Any], path: Path) -> None:
 
 
 def _timeline(tl: dict[str, Any], path: Path, title: str) -> None:
-    """``tl``: ``bin_s``, ``counts`` ({outcome: per-bin counts}, "ok" first), ``p99_ms``
-    (per bin, None where nothing ended OK), ``states`` (``StatePoller.samples()`` of
-    ``bench._common``) and ``markers`` ([{"at_s", "label"}])."""
-    from matplotlib.ticker import NullFormatter, ScalarFormatter
+    """``tl``: ``bin_s``, ``duration_s`` (optional), ``counts`` ({outcome: per-bin
+    counts}, "ok" first), ``p99_ms`` (per bin, None where nothing ended OK), ``states``
+    (``StatePoller.samples()`` of ``bench._common``) and ``markers`` ([{"at_s",
+    "label"}])."""
+    from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
 
     states = tl["states"]
     n_engines = len(states["engines"])
@@ -191,7 +192,15 @@ def _timeline(tl: dict[str, Any], path: Path, title: str) -> None:
     counts: dict[str, list[int]] = tl["counts"]
     n_bins = max((len(c) for c in counts.values()), default=0)
     xs = [i * bin_s for i in range(n_bins)]
-    ok_ax.plot(xs, [c / bin_s for c in counts.get("ok", [])], color="tab:green", linewidth=1)
+    # The last bin ends with the run, often part-way: its rate is over what it covered.
+    widths = [bin_s] * n_bins
+    if n_bins and "duration_s" in tl:
+        widths[-1] = min(bin_s, max(0.1 * bin_s, float(tl["duration_s"]) - xs[-1]))
+
+    def rate_of(per_bin: list[int]) -> list[float]:
+        return [c / w for c, w in zip(per_bin, widths, strict=False)]
+
+    ok_ax.plot(xs, rate_of(counts.get("ok", [])), color="tab:green", linewidth=1)
     ok_ax.set_ylabel("answered OK\n(requests/s)")
     ok_ax.set_ylim(bottom=0)
     # The other outcomes are a few per second against hundreds OK: their own panel,
@@ -200,7 +209,7 @@ def _timeline(tl: dict[str, Any], path: Path, title: str) -> None:
     for outcome, per_bin in counts.items():
         if outcome == "ok":
             continue
-        rate = [c / bin_s for c in per_bin]
+        rate = rate_of(per_bin)
         bad_ax.bar(
             xs[: len(rate)],
             rate,
@@ -220,6 +229,7 @@ def _timeline(tl: dict[str, Any], path: Path, title: str) -> None:
     # A hang sends p99 from ~0.2 s to many seconds: a log scale then, else a plain one.
     if seen and max(seen) > 20 * min(seen):
         p99_ax.set_yscale("log")
+        p99_ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
         p99_ax.yaxis.set_major_formatter(ScalarFormatter())
         p99_ax.yaxis.set_minor_formatter(NullFormatter())
     else:

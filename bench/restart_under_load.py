@@ -195,6 +195,7 @@ def result_data(data: dict[str, Any]) -> dict[str, Any]:
         ],
         "timeline": {
             "bin_s": 1.0,
+            "duration_s": round(duration, 3),
             "counts": {
                 "ok": per_bin([t for t, r in ended if r.ok], duration),
                 "failed": per_bin([t for t, r in ended if not r.ok], duration),

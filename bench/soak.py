@@ -471,6 +471,7 @@ def timeline(tally: Tally, poller: StatePoller, duration_s: float) -> dict[str, 
     end = max([duration_s, *(t for ts in tally.ended.values() for t in ts)])
     return {
         "bin_s": 1.0,
+        "duration_s": round(end, 3),
         "counts": {c: per_bin(tally.ended[c], end) for c in CLASSES},
         "p99_ms": p99_per_bin(tally.timeline, end),
         "states": poller.samples(),
