@@ -5,6 +5,8 @@
   GPU may be given.
 - `degradation.assess(samples, baseline, policy, now) -> Verdict`: whether an engine
   should be drained and restarted.
+- `fallback.choose_fallback(primary_room, fallback_room, allowed) -> reason | None`:
+  whether a request goes to its model's fallback model now, and why.
 - `speculation.spec_figures(samples, now, window_s) -> SpecFigures`: acceptance rate and
   mean accepted length of speculative decoding over a recent window.
 
