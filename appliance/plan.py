@@ -157,11 +157,11 @@ def _device(config: Config, gpu_count: int) -> str:
 def _gpu_groups(config: Config, gpu_count: int) -> list[tuple[ServedModel, tuple[int, ...]]]:
     """(model, its engine's GPUs) per GPU engine: one per tensor_parallel_size GPUs."""
     out = []
-    for m in config.served:
+    for i, m in enumerate(config.served):
         gpus = list(range(min(gpu_count, MAX_GPUS))) if m.gpus is None else list(m.gpus)
         missing = [g for g in gpus if g >= gpu_count]
         if missing:
-            key = "engine.gpus" if not config.models else f"model {m.name!r}: gpus"
+            key = "engine.gpus" if not config.models else f'models[{i}] ("{m.name}").gpus'
             raise ConfigError(
                 [
                     f"{key} = {gpus!r}: GPU(s) {missing} not present "
