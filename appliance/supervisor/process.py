@@ -14,6 +14,7 @@ import collections
 import contextlib
 import logging
 import os
+import re
 import signal
 import sys
 import time
@@ -169,6 +170,17 @@ class EngineProcess:
             f"; last output:\n    {tail}" if tail else "",
         )
 
+    def exit_reason(self) -> str:
+        """One line on why it exited, from its last output: the last line that names an
+        error (vLLM's own refusal of a bad argument, a CUDA error, ...), else its last
+        line, else its exit status. Shown in ``status`` beside a FAILED engine."""
+        code = self.returncode or 0
+        how = f"signal {signal.Signals(-code).name}" if code < 0 else f"status {code}"
+        lines = [line.strip() for line in self.output_tail if line.strip()]
+        named = [line for line in lines if _ERROR_WORDS.search(line)]
+        said = (named or lines or [""])[-1]
+        return f"exited with {how}" + (f": {said[:MAX_REASON_CHARS]}" if said else "")
+
     async def listener_is_ours(self) -> bool | None:
         """Before the engine key goes anywhere: who listens where the engine should.
 
@@ -268,3 +280,8 @@ def _in_use(r: GpuReading | None) -> bool:
     if r is None or r.memory_used_bytes is None or r.memory_total_bytes is None:
         return False
     return r.memory_used_bytes >= GPU_MEMORY_FREE_SHARE * r.memory_total_bytes
+
+
+# What marks an output line as the engine saying why it failed.
+_ERROR_WORDS = re.compile(r"Error|Exception|error:|refused|invalid", re.IGNORECASE)
+MAX_REASON_CHARS = 300

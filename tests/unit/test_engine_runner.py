@@ -125,6 +125,9 @@ class FakeProcess:
     def log_exit(self, when: str) -> None:
         self.exits.append(when)
 
+    def exit_reason(self) -> str:
+        return "exited with status 1: ValueError: bad argument"
+
     async def listener_is_ours(self) -> bool | None:
         return True
 

@@ -372,3 +372,42 @@ async def test_healthy_engine_observed_with_probe_and_metrics() -> None:
     assert obs.health_ok and obs.probe_ok and obs.detail == ""
     assert obs.generation_tokens is not None
     assert kv == obs.kv_cache_usage == 0.42
+
+
+# ---------------------------------------------------------------------------------------
+# why an engine exited, from its last output
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("output", "code", "expect"),
+    [
+        pytest.param(
+            [
+                "INFO loading model",
+                "ValueError: speculative method 'ngramm' is not supported",
+                "INFO shutting down",
+            ],
+            1,
+            "exited with status 1: ValueError: speculative method 'ngramm' is not supported",
+            id="the line that names the error, not the last line",
+        ),
+        pytest.param(["INFO a", "INFO b"], 1, "exited with status 1: INFO b", id="else the last"),
+        pytest.param([], -9, "exited with signal SIGKILL", id="no output: the status alone"),
+    ],
+)
+def test_exit_reason_names_what_the_engine_said(output: list[str], code: int, expect: str) -> None:
+    from appliance.endpoint import EngineAddress
+    from appliance.engine import EngineSpec
+    from appliance.supervisor.process import EngineProcess
+
+    proc = EngineProcess(
+        EngineSpec(id=0, gpu=None, address=EngineAddress(port=1), argv=(), tag="t")
+    )
+    proc.output_tail.extend(output)
+
+    class Exited:
+        returncode = code
+
+    proc._proc = Exited()  # type: ignore[assignment]
+    assert proc.exit_reason() == expect
