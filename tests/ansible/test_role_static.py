@@ -26,7 +26,8 @@ from typing import Any
 
 import pytest
 
-from appliance.config import SECTIONS, Config, load_config
+from appliance.config import SECTIONS, Config, load_config, parse_config
+from appliance.config.models import MODEL_ENGINE_KEYS, MODEL_KEYS, TASKS
 
 REPO = Path(__file__).resolve().parents[2]
 ANSIBLE_DIR = REPO / "ansible"
@@ -183,6 +184,21 @@ def test_defaults_pass_the_variable_checks(tmp_path: Path) -> None:
             id="duplicate-gpus",
         ),
         pytest.param(
+            {"llm_appliance_models": [{"model": "packaged:all-minilm-l6-v2"}]},
+            ["Validation of arguments failed", "llm_appliance_models", "name"],
+            id="model-without-name",
+        ),
+        pytest.param(
+            {"llm_appliance_models": [{"name": "chat", "gpu": [0]}]},
+            ["Validation of arguments failed", "llm_appliance_models", "gpu"],
+            id="model-unknown-key",
+        ),
+        pytest.param(
+            {"llm_appliance_models": [{"name": "chat", "task": "rerank"}]},
+            ["Validation of arguments failed", "generate, embed"],
+            id="model-task-not-a-choice",
+        ),
+        pytest.param(
             {"llm_appliance_command_link": "bin/llm-appliance"},
             ["llm_appliance_command_link = bin/llm-appliance: must be"],
             id="relative-command-link",
@@ -227,9 +243,36 @@ RENDER_VARIANTS: dict[str, dict[str, Any]] = {
             "engine": {"env": {"EXTRA": "1"}},
         },
     },
+    # Two models as [[models]] tables; numbers as strings, as -e and INI give them.
+    "models": {
+        "llm_appliance_device": "cuda",
+        "llm_appliance_models": [
+            {
+                "name": "chat",
+                "aliases": ["gpt-4o-mini", "chat.v2"],
+                "model": "packaged:smollm2-135m-instruct",
+                "gpus": [0],
+                "fallback": "",
+                "speculative": {"method": "ngram", "num_speculative_tokens": 4},
+                "env": {"ODD": 'x"y\\z', "UNI": "ü"},
+                "max_model_len": "2048",
+            },
+            {
+                "name": "embed",
+                "model": "packaged:all-minilm-l6-v2",
+                "task": "embed",
+                "gpus": ["1", "2"],
+                "tensor_parallel_size": "2",
+                "gpu_memory_utilization": "0.5",
+            },
+        ],
+    },
     # Refused by check-config through the template's validate: (never written).
     "bad_lan": {"llm_appliance_gateway_host": "0.0.0.0"},
     "bad_extra": {"llm_appliance_config_extra": {"gateway": {"max_infligth": 3}}},
+    "bad_models": {
+        "llm_appliance_models": [{"name": "chat", "gpus": [0]}, {"name": "chat", "gpus": [0]}]
+    },
 }
 
 
@@ -353,9 +396,56 @@ def test_strings_are_quoted_safely_and_extra_config_merges(rendered: dict[str, A
     assert cfg.engine.model == "/srv/llm-engine/models/SmolLM2-135M-Instruct"
 
 
+def test_no_models_render_no_models_table(rendered: dict[str, Any]) -> None:
+    """The default (llm_appliance_models: []) leaves the config as it was before models:
+    [engine] alone, one model."""
+    text = (rendered["dir"] / "defaults.toml").read_text(encoding="utf-8")
+    assert "[[models]]" not in text and "models" not in tomllib.loads(text)
+    assert [m.name for m in parse_config(tomllib.loads(text)).served] == [
+        parse_config({}).served[0].name
+    ]
+
+
+def test_models_render_as_models_tables_the_daemon_serves(rendered: dict[str, Any]) -> None:
+    raw = tomllib.loads((rendered["dir"] / "models.toml").read_text(encoding="utf-8"))
+    cfg = parse_config(raw)
+    chat, embed = cfg.served
+    assert (chat.name, chat.aliases, chat.gpus, chat.task) == (
+        "chat",
+        ("gpt-4o-mini", "chat.v2"),
+        (0,),
+        "generate",
+    )
+    assert chat.speculative == {"method": "ngram", "num_speculative_tokens": 4}
+    assert chat.engine.env == {"ODD": 'x"y\\z', "UNI": "ü"}
+    assert chat.engine.max_model_len == 2048
+    assert (embed.name, embed.gpus, embed.tensor_parallel_size, embed.task) == (
+        "embed",
+        (1, 2),
+        2,
+        "embed",
+    )
+    assert embed.engine.gpu_memory_utilization == 0.5
+    # What -e and INI inventories give as strings is written with its config type.
+    assert raw["models"][1]["gpus"] == [1, 2] and raw["models"][1]["tensor_parallel_size"] == 2
+
+
+def test_argument_specs_know_every_model_key_and_require_a_name() -> None:
+    spec = _load("meta/argument_specs.yml")["argument_specs"]["main"]["options"][
+        "llm_appliance_models"
+    ]
+    assert (spec["type"], spec["elements"], spec["default"]) == ("list", "dict", [])
+    assert set(spec["options"]) == {*MODEL_KEYS, *MODEL_ENGINE_KEYS}
+    assert spec["options"]["name"].get("required") is True
+    assert spec["options"]["task"]["choices"] == list(TASKS)
+    for key, sub in spec["options"].items():
+        assert "type" in sub and sub.get("description"), key
+        assert "default" not in sub, key  # an absent key means the daemon's default
+
+
 @pytest.mark.parametrize(
     ("variant", "problem"),
-    [("bad_lan", "gateway.host"), ("bad_extra", "max_infligth")],
+    [("bad_lan", "gateway.host"), ("bad_extra", "max_infligth"), ("bad_models", "models[1]")],
 )
 def test_a_config_check_config_refuses_is_never_written(
     rendered: dict[str, Any], variant: str, problem: str
