@@ -41,7 +41,8 @@ def _engine_json(gw: Gateway, e: EngineStatus, gpu: GpuStatus | None) -> dict[st
     adm = gw.admission
     return {
         "id": e.id,
-        "gpu": e.gpu,
+        "gpu": e.gpus[0] if e.gpus else e.gpu,  # the first of "gpus", kept for old readers
+        "gpus": list(e.gpus),
         "port": e.port,  # null with engine.listen = "unix"
         "listen": str(e.address),
         "state": e.state.value,
@@ -56,7 +57,7 @@ def _engine_json(gw: Gateway, e: EngineStatus, gpu: GpuStatus | None) -> dict[st
         "kv_cache_usage": e.kv_cache_usage,
         "kv_breaker_open": adm.kv_tripped.get(e.id, False),
         "requests_running": e.running,
-        "model": e.served_model_name,
+        "model": e.model or e.served_model_name,
     }
 
 

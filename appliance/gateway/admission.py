@@ -14,10 +14,15 @@ A request that no engine could ever take (it costs more than both
 Requests that find no room wait in a bounded queue, interactive before batch; under
 pressure batch is shed first. A waiter too large for the room any engine has *now* does
 not hold up smaller ones behind it: they go first while it waits, until it has waited
-``gateway.queue_aging_s``; from then on nobody passes it (batch included), so engines
-drain until it fits and it is not starved. Interactive waiters that fit are always
+``gateway.queue_aging_s``; from then on nobody of its model passes it (batch included),
+so engines drain until it fits and it is not starved. Interactive waiters that fit are always
 served before any batch one. Everything here is synchronous except waiting, so a
 release hands the freed slot to the next waiter without a scheduling gap.
+
+Several models ([[models]]): a request names its model, and everything above happens
+among that model's engines only (:func:`appliance.gateway.models.candidates`), with that
+model's budgets (``config.engine_of(model)``). One model's full engines, or its aged
+waiter, never hold up another model's requests.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from typing import Protocol
 from appliance.config import Config
 from appliance.engine import EngineState
 from appliance.gateway.errors import GatewayError
+from appliance.gateway.models import candidates
 from appliance.policy.routing import EngineLoad, route
 from appliance.policy.thermal import HARD_LEVEL, scale_budget
 
@@ -48,6 +54,8 @@ class EngineView(Protocol):
     def id(self) -> int: ...
     @property
     def state(self) -> EngineState: ...
+    @property
+    def model(self) -> str: ...
 
 
 @dataclass(slots=True)
@@ -57,6 +65,7 @@ class _Waiter:
     exclude: frozenset[int]
     batch: bool
     since: float
+    model: str | None  # its model's canonical name (None: any engine)
     future: asyncio.Future[int] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
@@ -95,10 +104,13 @@ class Admission:
     def queue_depth(self) -> int:
         return len(self._interactive) + len(self._batch)
 
-    def loads(self) -> list[EngineLoad]:
-        e = self._config().engine
+    def loads(self, model: str | None = None) -> list[EngineLoad]:
+        """Each engine of ``model`` (None: every engine) as routing sees it, with its own
+        model's budgets."""
+        config = self._config()
         out = []
-        for snap in self._engines():
+        for snap in candidates(model, self._engines()):
+            e = config.engine_of(snap.model)
             level = self.throttle_level.get(snap.id, 0)
             out.append(
                 EngineLoad(
@@ -134,9 +146,10 @@ class Admission:
         self._on_reject(reason)
         return GatewayError(status, message, code=reason, retry_after=retry_after, reason=reason)
 
-    def check_cost(self, cost: int) -> None:
-        """400 for a request no engine could ever take, rather than a queue timeout."""
-        e = self._config().engine
+    def check_cost(self, cost: int, model: str | None = None) -> None:
+        """400 for a request no engine (of ``model``) could ever take, rather than a queue
+        timeout."""
+        e = self._config().engine_of(model or "")  # no model is named "": [engine] itself
         # An idle engine takes any one sequence (routing's rule 1), and a sequence never
         # costs more than max_model_len: that much always fits eventually.
         ceiling = max(e.max_inflight_tokens, e.max_model_len)
@@ -159,23 +172,32 @@ class Admission:
         batch: bool = False,
         session: str | None = None,
         exclude: frozenset[int] = frozenset(),
+        model: str | None = None,
     ) -> int:
-        """An engine id with a slot reserved for this request; release() it when done."""
-        self.check_cost(cost)
-        self._refuse_unless_open(exclude)
+        """An engine id (one of ``model``'s) with a slot reserved for this request;
+        release() it when done."""
+        self.check_cost(cost, model)
+        self._refuse_unless_open(exclude, model)
         g = self._config().gateway
-        if self.queue_depth == 0:
-            chosen = self._route(cost, session, exclude)
+        if not self._queued_for(model):
+            chosen = self._route(cost, session, exclude, model=model)
             if chosen is not None:
                 return chosen
         self._make_room_in_queue(batch, g.max_queue)
-        waiter = _Waiter(cost, session, exclude, batch, self._clock())
+        waiter = _Waiter(cost, session, exclude, batch, self._clock(), model)
         (self._batch if batch else self._interactive).append(waiter)
         self.kick()  # room may exist for it: waiters ahead may be waiting for more room
         return await self._wait_in_queue(waiter, g.queue_timeout_s)
 
-    def _refuse_unless_open(self, exclude: frozenset[int]) -> None:
-        """503 while shutting down, or when no engine (but the excluded) may serve soon."""
+    def _queued_for(self, model: str | None) -> bool:
+        """Someone of ``model`` is waiting (a newcomer must not pass them)."""
+        if model is None:
+            return self.queue_depth > 0
+        return any(w.model == model for q in (self._interactive, self._batch) for w in q)
+
+    def _refuse_unless_open(self, exclude: frozenset[int], model: str | None = None) -> None:
+        """503 while shutting down, or when no engine of ``model`` (but the excluded) may
+        serve soon."""
         if not self._accepting():
             raise self._reject(503, "the server is shutting down", "shutting_down", 5)
         if not any(
@@ -188,9 +210,11 @@ class Admission:
                 EngineState.EXITED,
             )
             and s.id not in exclude
-            for s in self._engines()
+            for s in candidates(model, self._engines())
         ):
-            raise self._reject(503, "no engine is ready to take requests", "no_engine", 10)
+            raise self._reject(
+                503, f"no engine{_of(model)} is ready to take requests", "no_engine", 10
+            )
 
     def _make_room_in_queue(self, batch: bool, max_queue: int) -> None:
         """Refuse a waiter the queue has no room for, or shed the newest batch waiter
@@ -219,7 +243,7 @@ class Admission:
         except TimeoutError:
             raise self._reject(
                 503,
-                f"no engine could take the request within {timeout_s:g} s",
+                f"no engine{_of(waiter.model)} could take the request within {timeout_s:g} s",
                 "queue_timeout",
                 5,
             ) from None
@@ -249,10 +273,12 @@ class Admission:
         session: str | None,
         exclude: frozenset[int],
         loads: list[EngineLoad] | None = None,
+        model: str | None = None,
     ) -> int | None:
-        """Reserve a slot on the engine routing picks; ``loads`` if the caller has them."""
+        """Reserve a slot on the engine of ``model`` routing picks; ``loads`` (that
+        model's) if the caller has them."""
         if loads is None:
-            loads = self.loads()
+            loads = self.loads(model)
         if exclude:
             loads = [x for x in loads if x.id not in exclude]
         chosen = route(loads, cost, session, self._affinity)
@@ -274,48 +300,60 @@ class Admission:
 
     def kick(self) -> None:
         """Hand free slots to waiters: interactive first, each queue in arrival order,
-        a waiter that does not fit now passed by smaller ones until it has aged."""
+        a waiter that does not fit now passed by smaller ones of its model until it has
+        aged. Each model's waiters compete for that model's engines only."""
         if not self._interactive and not self._batch:
             return
         now = self._clock()
         aging_s = self._config().gateway.queue_aging_s
+        held: set[str | None] = set()  # models whose aged waiter holds the line
         for queue in (self._interactive, self._batch):
-            if not self._serve(queue, now, aging_s):
-                return  # an aged waiter holds the line, for batch waiters too
+            self._serve(queue, now, aging_s, held)  # an aged one holds its batch too
 
-    def _serve(self, queue: collections.deque[_Waiter], now: float, aging_s: float) -> bool:
-        """Serve the waiters of ``queue`` that fit; False when an aged one did not."""
+    def _serve(
+        self,
+        queue: collections.deque[_Waiter],
+        now: float,
+        aging_s: float,
+        held: set[str | None],
+    ) -> None:
+        """Serve the waiters of ``queue`` that fit; a model whose aged waiter did not fit
+        is added to ``held``, and nobody of that model is served after it."""
         passed: list[_Waiter] = []  # looked at, still waiting: they keep their places
-        loads: list[EngineLoad] | None = None
-        refused_at: int | None = None  # the smallest cost no engine could take just now
-        held = False
+        loads: dict[str | None, list[EngineLoad]] = {}  # per model, until one changes
+        full: set[str | None] = set()  # models with no free slot on any engine
+        refused_at: dict[str | None, int] = {}  # per model: smallest cost just refused
         while queue:
-            waiter = queue[0]
+            waiter = queue.popleft()
             if waiter.future.done():
-                queue.popleft()
                 continue
-            if loads is None:
-                loads = self.loads()
-                if not any(x.accepting and x.inflight < x.max_inflight for x in loads):
-                    break  # no free slot anywhere: nobody fits, whatever the cost
+            model = waiter.model
+            if model in held or model in full:
+                passed.append(waiter)  # nobody of that model fits now, whatever the cost
+                continue
+            model_loads = loads.get(model)
+            if model_loads is None:
+                model_loads = loads[model] = self.loads(model)
+                if not any(x.accepting and x.inflight < x.max_inflight for x in model_loads):
+                    full.add(model)
+                    passed.append(waiter)
+                    continue
             chosen = None
+            refused = refused_at.get(model)
             # Without an exclusion, a waiter no smaller than one refused just now is
             # refused as well: skip the routing (a long queue stays cheap to scan).
-            if waiter.exclude or refused_at is None or waiter.cost < refused_at:
-                chosen = self._route(waiter.cost, waiter.session, waiter.exclude, loads)
-            queue.popleft()
+            if waiter.exclude or refused is None or waiter.cost < refused:
+                chosen = self._route(waiter.cost, waiter.session, waiter.exclude, model_loads)
             if chosen is not None:
                 waiter.future.set_result(chosen)
-                loads = None  # that engine's load changed
+                del loads[model]  # that engine's load changed
                 continue
             passed.append(waiter)
             if not waiter.exclude:
-                refused_at = waiter.cost if refused_at is None else min(refused_at, waiter.cost)
+                refused_at[model] = waiter.cost if refused is None else min(refused, waiter.cost)
             if now - waiter.since >= aging_s:
-                held = True  # waited long enough: nobody behind it may pass it now
-                break
-        queue.extendleft(reversed(passed))
-        return not held
+                held.add(model)  # waited long enough: nobody of its model may pass it now
+        queue.extend(passed)
 
     def fail_waiters(self, reason: str, message: str) -> None:
         """Refuse everyone waiting (shutdown)."""
@@ -324,3 +362,8 @@ class Admission:
                 w = queue.popleft()
                 if not w.future.done():
                     w.future.set_exception(self._reject(503, message, reason, 5))
+
+
+def _of(model: str | None) -> str:
+    """ " of model 'X'" for a message about one model's engines."""
+    return "" if model is None else f" of model '{model}'"

@@ -37,6 +37,7 @@ from appliance.gateway.keys import (
     required_scope,
 )
 from appliance.gateway.metrics import GatewayMetrics
+from appliance.gateway.models import UNKNOWN_MODEL, candidates
 from appliance.gateway.proxy import Relay
 from appliance.gateway.ratelimit import RateLimiter
 from appliance.gateway.server import BodyTimeout, ConnectionLimits, GatewayRunner, ensure_fd_room
@@ -83,7 +84,6 @@ class Gateway:
         self._sessions: dict[EngineAddress, aiohttp.ClientSession] = {}
         self.upstreams = UpstreamPool()  # streamed requests' engine connections
         self.relay = Relay(self)
-        self._models: tuple[str, ...] = ()
 
     # ---- GatewayLink (called by the supervisor) ----------------------------------------
     def inflight(self, engine_id: int) -> int:
@@ -114,14 +114,11 @@ class Gateway:
         self.ratelimiter.forget({r.id for r in self.keys.records})
 
     # ---- helpers for handlers ------------------------------------------------------------
-    def model_names(self) -> tuple[str, ...]:
-        if not self._models:
-            self._models = tuple(sorted({e.served_model_name for e in self.appliance.engines()}))
-        return self._models
-
-    def has_other_engine(self, exclude: frozenset[int]) -> bool:
+    def has_other_engine(self, exclude: frozenset[int], model: str | None = None) -> bool:
+        """A READY engine of ``model`` (None: any) beyond ``exclude``, to retry on."""
         return any(
-            e.state is EngineState.READY and e.id not in exclude for e in self.appliance.engines()
+            e.state is EngineState.READY and e.id not in exclude
+            for e in candidates(model, self.appliance.engines())
         )
 
     def session_for(self, address: EngineAddress) -> aiohttp.ClientSession:
@@ -243,8 +240,10 @@ async def gateway_middleware(request: web.Request, handler: Any) -> web.StreamRe
             500, "internal error in the gateway; see its log", code="internal_error"
         )
     finally:
-        gw.metrics.requests.labels(route, str(status)).inc()
-        gw.metrics.duration.labels(route).observe(time.monotonic() - started)
+        # The model label is a configured name once the relay resolved one, else "".
+        model = request.get("model", UNKNOWN_MODEL)
+        gw.metrics.requests.labels(route, str(status), model).inc()
+        gw.metrics.duration.labels(route, model).observe(time.monotonic() - started)
 
 
 # ---- handlers ------------------------------------------------------------------------
@@ -257,15 +256,22 @@ async def healthz(request: web.Request) -> web.Response:
 
 async def readyz(request: web.Request) -> web.Response:
     """200 only while some engine can take a new request now and keys can be checked;
-    else 503 and why not."""
+    else 503 and why not. Either way the body says which models are ready or down."""
     gw = request.app[GATEWAY]
     accepting = gw.appliance.accepting
     keys_problem = gw.keys.problem
     ready = [s.id for s in gw.appliance.engines() if s.state.accepts_work]
-    admitting = [load.id for load in gw.admission.loads() if load.accepting]
+    loads = gw.admission.loads()
+    admitting = [load.id for load in loads if load.accepting]
+    models = models_ready(gw, set(admitting))
     if accepting and admitting and keys_problem is None:
         return web.json_response(
-            {"status": "ready", "engines_ready": ready, "engines_admitting": admitting}
+            {
+                "status": "ready",
+                "engines_ready": ready,
+                "engines_admitting": admitting,
+                "models": models,
+            }
         )
     body: dict[str, Any] = {"status": "stopping"}
     if accepting:
@@ -273,8 +279,19 @@ async def readyz(request: web.Request) -> web.Response:
         if keys_problem is not None:
             body["keys"] = KEYS_UNUSABLE
         body["reasons"] = {str(e): why for e, why in not_admitting(gw).items()}
-    body |= {"engines_ready": ready, "engines_admitting": admitting}
+    body |= {"engines_ready": ready, "engines_admitting": admitting, "models": models}
     return web.json_response(body, status=503, headers={"Retry-After": "5"})
+
+
+def models_ready(gw: Gateway, admitting: set[int]) -> dict[str, str]:
+    """Each served model: "ready" while one of its engines admits new work, else "down"."""
+    engines = gw.appliance.engines()
+    return {
+        m.name: (
+            "ready" if any(e.id in admitting for e in candidates(m.name, engines)) else "down"
+        )
+        for m in gw.appliance.config.served
+    }
 
 
 def not_admitting(gw: Gateway) -> dict[int, str]:

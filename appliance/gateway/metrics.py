@@ -8,6 +8,7 @@ pays nothing for them and they are never stale.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -38,21 +39,22 @@ class GatewayMetrics:
         r = self.registry
         self.requests = Counter(
             "appliance_requests",
-            "Requests answered, by route and status",
-            ["route", "status"],
+            "Requests answered, by route, status and model (a configured name; \"\" before "
+            "one was known)",
+            ["route", "status", "model"],
             registry=r,
         )
         self.duration = Histogram(
             "appliance_request_duration_seconds",
             "Time from request to the last byte of the answer",
-            ["route"],
+            ["route", "model"],
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
         self.ttft = Histogram(
             "appliance_time_to_first_token_seconds",
             "Time from request to the first streamed byte, seen by the gateway",
-            ["route"],
+            ["route", "model"],
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
@@ -79,6 +81,10 @@ class GatewayMetrics:
             "Requests retried on another engine before the first byte",
             registry=r,
         )
+
+    def first_byte(self, route: str, model: str, started: float) -> None:
+        """The first byte of an answer left for the client (``started``: monotonic)."""
+        self.ttft.labels(route, model).observe(time.monotonic() - started)
 
     def attach(self, view: ApplianceView, admission: Admission) -> None:
         self.registry.register(_LiveCollector(view, admission))
@@ -171,8 +177,14 @@ class _LiveCollector(Collector):
             "1 while the KV-pressure breaker keeps new work away",
             labels=["engine"],
         )
+        info = GaugeMetricFamily(
+            "appliance_engine_info",
+            "1 per engine: the model it serves and its GPUs (\"0,1\"; \"\" on CPU)",
+            labels=["engine", "model", "gpus"],
+        )
         for e in status.engines:
             eid = str(e.id)
+            info.add_metric([eid, e.model, ",".join(map(str, e.gpus))], 1.0)
             for s in EngineState:
                 state.add_metric([eid, s.value], 1.0 if e.state is s else 0.0)
             inflight.add_metric([eid], adm.inflight(e.id))
@@ -184,7 +196,7 @@ class _LiveCollector(Collector):
                 value = getattr(e, field)
                 if value is not None:
                     fam.add_metric([eid], value)
-        yield from (state, inflight, tokens, restarts, *(f for f, _ in observed), breaker)
+        yield from (info, state, inflight, tokens, restarts, *(f for f, _ in observed), breaker)
 
 
 def _gpus(status: ApplianceStatus) -> Iterator[Metric]:

@@ -19,6 +19,11 @@ Failure handling, by when it happens:
 - the client goes away: the handler is cancelled, which closes the upstream connection,
   which makes vLLM abort the generation.
 
+Several models: a request goes to the engines of the model its body names (by name or
+alias, :mod:`appliance.gateway.models`); an alias is rewritten to the canonical name in
+what the engine is sent. Admission, the retry and every limit stay within that model's
+engines: a request is never sent to another model's engine.
+
 Where the parts live: the request body is read and checked in request_body.py; the
 failure types in failures.py; what the client is sent in answers.py; the two ways to an
 engine in via_client.py (aiohttp's client: whole answers, HTTP/1.0 streams) and
@@ -39,7 +44,8 @@ from aiohttp.http import HttpVersion11
 from appliance.gateway.answers import EngineCall
 from appliance.gateway.errors import GatewayError
 from appliance.gateway.failures import Attempt, EngineFailure, engine_error
-from appliance.gateway.request_body import ParsedRequest, parse_body, read_body
+from appliance.gateway.models import model_list, resolve
+from appliance.gateway.request_body import ParsedRequest, finish_body, open_body, read_body
 from appliance.gateway.via_client import relay_via_client
 from appliance.gateway.via_splice import relay_via_splice
 
@@ -77,7 +83,7 @@ class Relay:
 
     async def models(self, request: web.Request) -> web.Response:
         created = int(self.gw.appliance.started_at)
-        names = self.gw.model_names()
+        names = model_list(self.gw.appliance.config.served)  # aliases as entries of their own
         return web.json_response(
             {
                 "object": "list",
@@ -101,27 +107,22 @@ class Relay:
         started = time.monotonic()
         record = request["key"]
         parsed = await self._parse(request, route)
-        self._check_model(parsed.model)
-        self.gw.admission.check_cost(parsed.cost)  # before tpm: never charge what cannot run
+        # before tpm: never charge what cannot run
+        self.gw.admission.check_cost(parsed.cost, parsed.model)
         self._check_rate(record, parsed.cost)
         batch = record.priority == "batch"
         return await self._relay_with_failover(request, path, parsed, started, batch)
 
     async def _parse(self, request: web.Request, route: str) -> ParsedRequest:
-        appliance = self.gw.appliance
-        cfg = appliance.config.gateway
+        """The checked request, costed on the engines of the model it names (404 for no
+        such model, 400 for a route the model does not serve)."""
         raw = await read_body(request)
-        return parse_body(route, raw, request.headers, cfg, appliance.config.engine.max_model_len)
-
-    def _check_model(self, model: str) -> None:
-        if model not in self.gw.model_names():
-            raise GatewayError(
-                404,
-                f"The model '{model}' does not exist; GET /v1/models lists the served models",
-                param="model",
-                code="model_not_found",
-                reason="model_not_found",
-            )
+        opened = open_body(route, raw)
+        config = self.gw.appliance.config
+        name = resolve(config, opened.model, route).name
+        request["model"] = name  # the metrics' label: a configured name, never the client's
+        max_model_len = config.engine_of(name).max_model_len
+        return finish_body(route, opened, request.headers, config.gateway, max_model_len, name)
 
     def _check_rate(self, record: Any, cost: int) -> None:
         """429 when the caller's key is past its rpm or tpm."""
@@ -148,14 +149,14 @@ class Relay:
         started: float,
         batch: bool,
     ) -> web.StreamResponse:
-        """Relay on the engine admission picks; an engine that fails before its first
-        byte is retried once on another one, if there is another."""
+        """Relay on the engine admission picks among the model's; one that fails before
+        its first byte is retried once on another of the model's, if there is another."""
         gw = self.gw
         tried: frozenset[int] = frozenset()
         for attempt in (1, 2):
             queued = time.monotonic()
             engine_id = await gw.admission.acquire(
-                parsed.cost, batch=batch, session=parsed.session, exclude=tried
+                parsed.cost, batch=batch, session=parsed.session, exclude=tried, model=parsed.model
             )
             gw.metrics.queue_wait.observe(time.monotonic() - queued)
             try:
@@ -166,7 +167,7 @@ class Relay:
                 return result
             # Failed before the first byte: try once more elsewhere.
             tried = tried | {engine_id}
-            if attempt == 1 and gw.has_other_engine(tried):
+            if attempt == 1 and gw.has_other_engine(tried, parsed.model):
                 gw.metrics.failovers.inc()
                 log.warning(
                     "engine%d failed before answering (%s); retrying on another engine",

@@ -18,17 +18,19 @@ from aiohttp.web_protocol import RequestPayloadError
 from appliance.config import GatewayConfig
 from appliance.gateway.cost import request_cost
 from appliance.gateway.errors import GatewayError
+from appliance.gateway.usage_events import UsagePlan, insert_stream_usage, plan_usage
 from appliance.policy.routing import session_key
 
 
 @dataclass(frozen=True, slots=True)
 class ParsedRequest:
     route: str
-    model: str
+    model: str  # the canonical name of the model it goes to (never an alias)
     stream: bool
     cost: int  # tokens, as appliance/gateway/cost.py counts them
     session: str | None
     body: bytes  # what the engine is sent: the client's bytes, unless a field had to be set
+    usage: UsagePlan | None = None  # what token accounting asked of the engine (usage_events)
 
 
 def bad_request(message: str, param: str | None = None) -> GatewayError:
@@ -69,11 +71,18 @@ def _check_route_input(route: str, body: dict[str, Any]) -> None:
             raise bad_request("'input' must be a string or a non-empty list", "input")
 
 
-def parse_body(
-    route: str, raw: bytes, headers: Any, limits: GatewayConfig, max_model_len: int
-) -> ParsedRequest:
-    """Check what the gateway needs to know and what the request costs; the engine
-    validates the rest. The body is re-serialized only when a field must be set."""
+@dataclass(frozen=True, slots=True)
+class OpenedBody:
+    """A request body checked for what routing needs before the model is known."""
+
+    fields: dict[str, Any]
+    model: str  # as the client wrote it: a name or an alias
+    stream: bool
+    raw: bytes  # the client's bytes
+
+
+def open_body(route: str, raw: bytes) -> OpenedBody:
+    """The body as JSON, with its model, stream flag and the route's required input."""
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError, RecursionError):
@@ -87,11 +96,45 @@ def parse_body(
     if not isinstance(stream, bool):
         raise bad_request("'stream' must be true or false", "stream")
     _check_route_input(route, body)
+    return OpenedBody(body, model, stream, raw)
+
+
+def finish_body(
+    route: str,
+    opened: OpenedBody,
+    headers: Any,
+    limits: GatewayConfig,
+    max_model_len: int,
+    model: str | None = None,
+) -> ParsedRequest:
+    """What the request costs on ``model``'s engines (whose context is ``max_model_len``)
+    and what they are sent. The engine knows its model by its canonical name only, so a
+    body naming an alias is rewritten to ``model``; the client's bytes go on untouched
+    (no re-serialisation) unless a field must be set."""
+    body = opened.fields
+    canonical = model or opened.model
     cost = request_cost(route, body, limits, max_model_len)
+    raw = opened.raw
+    plan = plan_usage(route, opened.stream, body, limits.max_prompts)  # may add stream_options
+    rewrite = canonical != opened.model or plan.rewrite
+    if rewrite:
+        body["model"] = canonical
     if cost.write is not None:
         name, value = cost.write
         body[name] = value
+        rewrite = True
+    if rewrite:
         raw = _dump(body)
+    elif plan.added:
+        raw = insert_stream_usage(raw) or _dump(body)
     user = body.get("user")
     session = session_key(user if isinstance(user, str) else None, headers.get("X-Session-Id"))
-    return ParsedRequest(route, model, stream, cost.tokens, session, raw)
+    return ParsedRequest(route, canonical, opened.stream, cost.tokens, session, raw, plan)
+
+
+def parse_body(
+    route: str, raw: bytes, headers: Any, limits: GatewayConfig, max_model_len: int
+) -> ParsedRequest:
+    """Check what the gateway needs to know and what the request costs, for a request
+    whose model is taken as named; the engine validates the rest."""
+    return finish_body(route, open_body(route, raw), headers, limits, max_model_len)

@@ -8,7 +8,6 @@ HTTP/1.1 clients take the faster path in via_splice.py.
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import TYPE_CHECKING
 
 import aiohttp
@@ -88,7 +87,7 @@ async def _answer_whole(
         body=body,
         content_type=upstream.content_type or "application/json",
     )
-    gw.metrics.ttft.labels(call.parsed.route).observe(time.monotonic() - call.started)
+    gw.metrics.first_byte(call.parsed.route, call.parsed.model, call.started)
     return resp
 
 
@@ -107,7 +106,7 @@ async def _stream(
                 # Headers go out with the first chunk: until then a failure can still
                 # be retried elsewhere without the client knowing.
                 await resp.prepare(request)
-                gw.metrics.ttft.labels(call.parsed.route).observe(time.monotonic() - call.started)
+                gw.metrics.first_byte(call.parsed.route, call.parsed.model, call.started)
                 first = False
             try:
                 await resp.write(chunk)

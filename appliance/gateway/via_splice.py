@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from typing import TYPE_CHECKING
 
 from aiohttp import web
@@ -73,7 +72,7 @@ async def _until_first_chunk(
             return EngineFailure.engine_answered(head.status)
         if head.status != 200 or not head.chunked:
             body = await read_whole(gw.appliance.config.gateway.max_answer_bytes, conn.read_body)
-            gw.metrics.ttft.labels(call.parsed.route).observe(time.monotonic() - call.started)
+            gw.metrics.first_byte(call.parsed.route, call.parsed.model, call.started)
             return web.Response(
                 status=head.status,
                 body=body,
@@ -96,7 +95,7 @@ async def _splice_stream(
     try:
         await resp.prepare(request)
         await resp.write(b"")  # the head now: the engine's chunks follow it as they are
-        gw.metrics.ttft.labels(call.parsed.route).observe(time.monotonic() - call.started)
+        gw.metrics.first_byte(call.parsed.route, call.parsed.model, call.started)
         transport = request.transport
         if transport is None:
             raise UpstreamError("the client disconnected")

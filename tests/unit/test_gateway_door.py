@@ -165,10 +165,15 @@ async def fake_engine() -> AsyncIterator[tuple[FakeEngine, int]]:
 
 @pytest.fixture
 async def box(tmp_path: Path) -> AsyncIterator[Box]:
-    config = parse_config({"gateway": {"keys_file": str(tmp_path / "keys.json")}})
+    config = parse_config(
+        {
+            "gateway": {"keys_file": str(tmp_path / "keys.json")},
+            "engine": {"served_model_name": MODEL},
+        }
+    )
     async with fake_engine() as (e0, port0), fake_engine() as (e1, port1):
         statuses = [
-            EngineStatus(i, None, EngineAddress(port=p), READY, ENGINE_KEY, MODEL)
+            EngineStatus(i, None, EngineAddress(port=p), READY, ENGINE_KEY, MODEL, model=MODEL)
             for i, p in enumerate((port0, port1))
         ]
         appliance = FakeAppliance(config, statuses)

@@ -22,7 +22,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from appliance.config import EngineConfig, GatewayConfig
+from appliance.config import Config, EngineConfig
 from appliance.endpoint import EngineAddress
 from appliance.gateway import splice
 from appliance.gateway.errors import GatewayError
@@ -41,7 +41,7 @@ WORDY_WHY = "no token came back within the health check's timeout"  # a verdict,
 class _Admission:
     """One engine, always free."""
 
-    def check_cost(self, cost: int) -> None:
+    def check_cost(self, cost: int, model: str | None = None) -> None:
         pass
 
     async def acquire(self, cost: int, **_: object) -> int:
@@ -58,7 +58,7 @@ class FakeGateway:
         status = SimpleNamespace(api_key="engine-key", address=address)
         # The relay's view of the appliance (appliance.control.ApplianceView), in part.
         self.appliance = SimpleNamespace(
-            config=SimpleNamespace(gateway=GatewayConfig(), engine=EngineConfig()),
+            config=Config(engine=EngineConfig(served_model_name=MODEL)),
             engine=lambda engine_id: status,
             started_at=0.0,
         )
@@ -69,10 +69,7 @@ class FakeGateway:
         self._session = session
         self._sessions: list[aiohttp.ClientSession] = []
 
-    def model_names(self) -> tuple[str, ...]:
-        return (MODEL,)
-
-    def has_other_engine(self, exclude: frozenset[int]) -> bool:
+    def has_other_engine(self, exclude: frozenset[int], model: str | None = None) -> bool:
         return False  # no failover: the first failure is the client's answer
 
     def session_for(self, address: EngineAddress) -> Any:

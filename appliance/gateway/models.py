@@ -1,0 +1,85 @@
+"""Which model a request names, whether it may take this route, and which engines serve it.
+
+Several models share one box ([[models]]); each engine serves exactly one of them and
+knows it by its canonical name only (vLLM's ``--served-model-name``). Clients may name a
+model by an alias, so the gateway resolves the name once, refuses what no model serves
+(404) or what the model does not do on this route (400), and from then on works with the
+canonical name: admission, routing and failover stay within that model's engines.
+
+:func:`candidates` is the one place that says which engines may take a model's request,
+so the fallback (issue 13: another model takes what its own engines cannot) has a single
+seam to widen.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Protocol, TypeVar
+
+from appliance.config import Config, ServedModel
+from appliance.gateway.errors import GatewayError
+
+# What each task serves, in the words clients see (the relay's route names map to paths).
+ROUTES_OF_TASK: dict[str, tuple[str, ...]] = {
+    "generate": ("chat", "completions"),
+    "embed": ("embeddings",),
+}
+PATH_OF_ROUTE = {
+    "chat": "/v1/chat/completions",
+    "completions": "/v1/completions",
+    "embeddings": "/v1/embeddings",
+}
+UNKNOWN_MODEL = ""  # the metrics' model label before a request named a served model
+
+
+class ServesModel(Protocol):
+    """What candidate selection reads of an engine (an ``appliance.control.EngineStatus``)."""
+
+    @property
+    def model(self) -> str: ...
+
+
+E = TypeVar("E", bound=ServesModel)
+
+
+def candidates(model: str | None, engines: Iterable[E]) -> list[E]:
+    """The engines that may take a request for ``model`` (its canonical name): its own,
+    never another model's. ``None`` (no model named: unit tests' bare admission) is every
+    engine."""
+    if model is None:
+        return list(engines)
+    return [e for e in engines if e.model == model]
+
+
+def model_list(served: Sequence[ServedModel]) -> list[str]:
+    """Every name clients may send: each model's name, then its aliases, in config order."""
+    return [name for m in served for name in m.names]
+
+
+def resolve(config: Config, name: str, route: str) -> ServedModel:
+    """The served model a request's ``model`` names (by name or alias) and may take on
+    ``route``; 404 ``model_not_found`` naming what exists, or 400 ``model_wrong_route``
+    naming the routes the model serves."""
+    found = config.model(name)
+    if found is None:
+        shown = name if len(name) <= 64 else name[:61] + "..."
+        raise GatewayError(
+            404,
+            f"The model '{shown}' does not exist; this server serves "
+            f"{', '.join(model_list(config.served))} (GET /v1/models lists them)",
+            param="model",
+            code="model_not_found",
+            reason="model_not_found",
+        )
+    routes = ROUTES_OF_TASK.get(found.task, ())
+    if route not in routes:
+        paths = " and ".join(PATH_OF_ROUTE[r] for r in routes)
+        raise GatewayError(
+            400,
+            f"the model '{found.name}' is a{'n' if found.task == 'embed' else ''} "
+            f"{found.task} model: it is served on {paths} only, not on {PATH_OF_ROUTE[route]}",
+            param="model",
+            code="model_wrong_route",
+            reason="model_wrong_route",
+        )
+    return found
