@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from appliance.config import Config, parse_config
+from appliance.config import Config, ServedModel, parse_config
 from appliance.config.models import PACKAGED_CONTEXT
 from appliance.errors import ConfigError
 from appliance.reload import changed_keys, merge_live
@@ -25,6 +25,12 @@ def problems_of(raw: dict[str, Any]) -> list[str]:
     with pytest.raises(ConfigError) as info:
         parse_config(raw)
     return info.value.problems
+
+
+def served(cfg: Config, name: str) -> ServedModel:
+    found = cfg.model(name)
+    assert found is not None, name
+    return found
 
 
 def chat(**keys: Any) -> dict[str, Any]:
@@ -391,8 +397,8 @@ def test_a_models_table_merges_its_overrides_over_engine() -> None:
     assert (b.max_inflight, b.max_model_len, b.env) == (32, 2048, {"B": "2"})
     assert b == cfg.engine  # no overrides: [engine] exactly
     assert cfg.engine.max_inflight == 32  # [engine] itself is untouched
-    assert cfg.model("code") is not None and cfg.model("code").model == "/models/coder"  # type: ignore[union-attr]
-    assert cfg.model("chat").model == ""  # type: ignore[union-attr]  # engine.model's default
+    assert served(cfg, "code").model == "/models/coder"
+    assert served(cfg, "chat").model == ""  # engine.model's default
 
 
 def test_a_table_takes_engine_model_and_cpu_engines_unless_it_sets_them() -> None:
@@ -566,7 +572,7 @@ def test_reload_of_a_models_gpus_needs_a_restart_and_keeps_the_old() -> None:
     merged, live, restart = reload(models(*TWO), models(*new))
     assert sorted(restart) == ["models.chat.gpus", "models.code.gpus"]
     assert live == ["models.chat.max_inflight"]
-    assert merged.model("chat").gpus == (0,)  # type: ignore[union-attr]
+    assert served(merged, "chat").gpus == (0,)
     assert merged.engine_of("chat").max_inflight == 3
 
 
