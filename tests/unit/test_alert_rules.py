@@ -36,6 +36,7 @@ EXPECTED_ALERTS = {
     "LlmApplianceEngineFailed",
     "LlmApplianceEngineDown",
     "LlmApplianceAllEnginesDown",
+    "LlmApplianceModelDown",
     "LlmApplianceEngineRestartsAboveBudget",
     "LlmApplianceKvBreakerOpen",
     "LlmApplianceGpuAtHardLimit",
