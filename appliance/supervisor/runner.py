@@ -19,8 +19,10 @@ What the runner keeps has owners: its processes (:class:`ProcessHandle`), what i
 checks learned (:class:`HealthWatch`), its restarts and budgets (:class:`RestartBook`),
 the restart it was asked for and the batch size of its next spawn
 (:class:`PlannedRestart`), and the lifecycle state itself, which only this class holds.
-The module is longer than most (~450 lines): it is one engine's whole life, kept in one
-place so that every move of its state is read in one file.
+Its waits that change no state (until ready, the backoff, in-flight work draining, the
+kill's grace) are in :mod:`~appliance.supervisor.waits`, and the frozen copy others read
+is built by :mod:`~appliance.supervisor.runner_status`: every move of the state is still
+read in this one file.
 """
 
 from __future__ import annotations
@@ -48,15 +50,23 @@ from appliance.supervisor.commands import (
 )
 from appliance.supervisor.inbox import Inbox
 from appliance.supervisor.planned import PlannedRestart
+from appliance.supervisor.runner_status import engine_status
+from appliance.supervisor.waits import (
+    UNRESPONSIVE_GRACE_S,
+    back_off,
+    drain_inflight,
+    give_up_hung_requests,
+    stop_grace_s,
+    wait_ready,
+)
 from appliance.supervisor.watch import HealthWatch
+
+__all__ = ["KV_POLL_S", "RESTARTABLE", "STABLE_AFTER_S", "UNRESPONSIVE_GRACE_S", "EngineRunner"]
 
 log = logging.getLogger("appliance.supervisor")
 
 STABLE_AFTER_S = 60.0  # READY this long resets the crash backoff
 KV_POLL_S = 0.5  # KV usage reads while an engine's KV breaker is open
-UNRESPONSIVE_GRACE_S = 2.0  # SIGTERM → SIGKILL for a hung engine (not engine.stop_timeout_s)
-STARTUP_POLL_S = 0.5
-DRAIN_POLL_S = 0.1
 # An admin restart is refused only while the engine is already going down.
 RESTARTABLE = frozenset(EngineState) - {EngineState.STOPPING}
 
@@ -94,26 +104,8 @@ class EngineRunner:
         return self._plan.batched_tokens is not None
 
     def status(self) -> EngineStatus:
-        obs, book = self._health.observed, self._book
-        return EngineStatus(
-            id=self.spec.id,
-            gpu=self.spec.gpu,
-            address=self.spec.address,
-            state=self._state,
-            api_key=self._process.api_key,
-            served_model_name=self.spec.served_model_name,
-            model=self.spec.model or self.spec.served_model_name,
-            gpus=self.spec.gpus,
-            task=self.spec.task,
-            pid=self._process.pid,
-            restarts=book.restarts,
-            restarts_by_reason=dict(book.by_reason),
-            last_restart_reason=book.last_reason,
-            kv_cache_usage=obs.kv_cache_usage if obs else None,
-            running=obs.running if obs else None,
-            waiting=obs.waiting if obs else None,
-            preemptions_total=obs.preemptions_total if obs else None,
-            generation_tokens=obs.generation_tokens if obs else None,
+        return engine_status(
+            self.spec, self._state, self._process, self._book, self._health.observed
         )
 
     async def ask(self, command: Command) -> CommandResult:
@@ -217,7 +209,7 @@ class EngineRunner:
                 if self._host.stopping or reason is None:
                     break
                 if self._book_restart(reason) and reason not in PLANNED_REASONS:
-                    await self._back_off(reason)
+                    await back_off(self.spec, self._host, self._book, self._inbox, reason)
         finally:
             self._inbox.close(
                 lambda: self._answer(
@@ -240,21 +232,6 @@ class EngineRunner:
         self._set_state(EngineState.FAILED)
         return False
 
-    async def _back_off(self, reason: RestartReason) -> None:
-        """Wait before an unplanned restart, longer for each in a row (ends at a stop)."""
-        cfg = self._host.config.restart
-        delay = self._book.next_backoff(cfg.backoff_initial_s, cfg.backoff_max_s)
-        log.warning(
-            "%s: restarting in %.1f s (reason: %s, failure %d in a row)",
-            self.spec.name,
-            delay,
-            reason.value,
-            self._book.consecutive_failures,
-        )
-        deadline = time.monotonic() + delay
-        while not self._host.stopping and (left := deadline - time.monotonic()) > 0:
-            await self._inbox.nap(left)
-
     async def _start_and_watch(self) -> RestartReason | None:
         """Spawn, wait until ready, watch. The reason it must go down, or None to stop."""
         if self._state is EngineState.FAILED:
@@ -268,38 +245,11 @@ class EngineRunner:
         self._process.remove_stale_socket()
         self._set_state(EngineState.STARTING)
         await self._inbox.busy(self._process.spawn(self._plan.batched_tokens))
-        reason = await self._wait_ready()
+        reason = await wait_ready(self.spec, self._host, self._process, self._health, self._inbox)
         if reason is not None or self._host.stopping:
             return None if self._host.stopping else reason
         self._set_state(EngineState.READY)
         return await self._watch()
-
-    async def _wait_ready(self) -> RestartReason | None:
-        """Until a real completion comes back: None, or why the start failed."""
-        proc = self._process
-        if not proc.started:
-            return RestartReason.CRASH
-        # Fixed for this start (a reload applies from the next one).
-        allowed = self._host.config.engine_of(self.spec.model).startup_timeout_s
-        deadline = time.monotonic() + allowed
-        while not self._host.stopping:
-            if proc.returncode is not None:
-                proc.log_exit("while starting")
-                return RestartReason.CRASH
-            if time.monotonic() > deadline:
-                log.error(
-                    "%s: not ready after %.0f s (engine.startup_timeout_s)",
-                    self.spec.name,
-                    allowed,
-                )
-                return RestartReason.STARTUP_TIMEOUT
-            answered = await self._health.answered()
-            if answered is False:
-                return RestartReason.CRASH  # someone else's listener: named in the log
-            if answered:
-                return None
-            await self._inbox.busy(proc.wait_exit(STARTUP_POLL_S))
-        return None
 
     async def _watch(self) -> RestartReason | None:
         """Watch a READY engine until it dies, hangs, or a restart or stop is asked for."""
@@ -402,20 +352,7 @@ class EngineRunner:
         """Stop routing to it and let in-flight work finish (bounded)."""
         if self._state in (EngineState.READY, EngineState.SUSPECT):
             self._set_state(EngineState.DRAINING)
-        link = self._host.link
-        deadline = time.monotonic() + self._host.config.restart.drain_timeout_s
-        while link.inflight(self.id) > 0 and not self._host.stopping:
-            if time.monotonic() > deadline:
-                log.warning(
-                    "%s: %d request(s) still running after %.0f s of draining; restarting anyway",
-                    self.spec.name,
-                    link.inflight(self.id),
-                    self._host.config.restart.drain_timeout_s,
-                )
-                # Those not yet answering move to another engine now, not at the kill.
-                link.abandon(self.id, "the engine was restarted after draining")
-                break
-            await self._inbox.busy(asyncio.sleep(DRAIN_POLL_S))
+        await drain_inflight(self.spec, self._host, self._inbox)
 
     async def _stop(self, reason: RestartReason | None) -> None:
         """Take the engine down: SIGTERM its tree, SIGKILL what stays, wait for its port."""
@@ -427,22 +364,9 @@ class EngineRunner:
         ):
             self._set_state(EngineState.STOPPING)
         host = self._host
-        timeout = 0.0 if host.fast_stop else host.config.engine_of(self.spec.model).stop_timeout_s
-        if reason in (RestartReason.HUNG, RestartReason.STARTUP_TIMEOUT):
-            # It has not answered for a while: it will not shut down gracefully either
-            # (a SIGSTOPped tree does not even see SIGTERM), so kill it soon.
-            timeout = min(timeout, UNRESPONSIVE_GRACE_S)
         if reason is RestartReason.HUNG:
-            # Its requests would stay stuck until it dies: give them up now, so those
-            # with no byte sent yet are retried elsewhere at once.
-            moved = host.link.abandon(self.id, "the engine stopped answering")
-            if moved:
-                log.warning(
-                    "%s: gave up %d request(s) on the hung engine; those not yet "
-                    "answering are retried on another engine",
-                    self.spec.name,
-                    moved,
-                )
+            give_up_hung_requests(self.spec, host)
+        timeout = stop_grace_s(self.spec, host, reason)
         await self._inbox.busy(self._process.kill_tree(timeout))
         if self._state is not EngineState.FAILED:
             self._set_state(EngineState.EXITED)
