@@ -42,6 +42,7 @@ from appliance.gateway.proxy import Relay
 from appliance.gateway.ratelimit import RateLimiter
 from appliance.gateway.server import BodyTimeout, ConnectionLimits, GatewayRunner, ensure_fd_room
 from appliance.gateway.splice import UpstreamPool
+from appliance.gateway.usage import UsageBook, usage_path
 from appliance.policy.thermal import HARD_LEVEL
 
 log = logging.getLogger("appliance.gateway")
@@ -72,6 +73,8 @@ class Gateway:
         self.watcher = KeyWatcher(self.keys, logger=log)
         self.metrics = GatewayMetrics()
         self.ratelimiter = RateLimiter()
+        # Tokens per key id (usage.json beside the keys file; the metric on our registry).
+        self.usage = UsageBook(usage_path(self.keys.path), self.metrics.registry, self.ratelimiter)
         self.admission = Admission(
             lambda: appliance.config,
             appliance.engines,
@@ -138,9 +141,11 @@ class Gateway:
 
     async def on_startup(self, app: web.Application) -> None:
         self.watcher.start()
+        self.usage.start()
 
     async def on_cleanup(self, app: web.Application) -> None:
         await self.watcher.stop()
+        await self.usage.stop()
         self.upstreams.close()
         for session in self._sessions.values():
             await session.close()

@@ -66,24 +66,31 @@ def parse_head(raw: bytes) -> Head:
 
 
 def is_whole_chunks(data: bytes) -> bool:
-    """Whether ``data`` is exactly whole, non-terminal chunks: the common case of one
-    read holding one token event, checked without copying anything."""
+    """Whether ``data`` is exactly whole, non-terminal chunks (none at all counts)."""
+    return not data or count_whole_chunks(data) > 0
+
+
+def count_whole_chunks(data: bytes) -> int:
+    """How many whole, non-terminal chunks ``data`` is exactly, else 0: the common case of
+    one read holding one token event, checked without copying anything."""
     n = len(data)
     pos = 0
+    count = 0
     while pos < n:
         eol = data.find(b"\r\n", pos, pos + MAX_CHUNK_LINE)
         if eol <= pos:
-            return False
+            return 0
         try:
             size = int(data[pos:eol], 16)  # a chunk extension (rare) takes the slow path
         except ValueError:
-            return False
+            return 0
         if size <= 0:
-            return False
+            return 0
         pos = eol + 2 + size + 2
         if pos > n or data[pos - 2 : pos] != b"\r\n":
-            return False
-    return True
+            return 0
+        count += 1
+    return count
 
 
 def scan_chunks(buf: bytes | bytearray) -> tuple[int, list[bytes], int]:

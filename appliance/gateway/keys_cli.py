@@ -1,4 +1,4 @@
-"""`llm-appliance keys create|list|revoke`: the keys file edited directly.
+"""`llm-appliance keys create|list|revoke|usage`: the keys file edited directly.
 
 These work whether the daemon runs or not: every change is a locked read-modify-write
 of the keys file (see :mod:`appliance.gateway.keys`), and a running daemon puts it in
@@ -34,6 +34,7 @@ from appliance.gateway.keys import (
     KeyStore,
     validate_key_id,
 )
+from appliance.gateway.usage import UsageFileError, read_usage, usage_path
 
 # Explicit ASCII ranges (never \d, which takes any Unicode digit); longer numbers are out
 # of every bound anyway.
@@ -179,6 +180,68 @@ def cmd_revoke(args: argparse.Namespace) -> int:
     return 0
 
 
+_DURATION = re.compile(r"([0-9]{1,6})([smhd])")
+_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+USAGE_COLUMNS = ("ID", "NAME", "PROMPT", "COMPLETION", "TOTAL")
+
+
+def _duration(text: str) -> float:
+    """``24h``, ``7d``, ``90m``, ``30s``: seconds (argparse's type)."""
+    m = _DURATION.fullmatch(text.strip())
+    if m is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration such as 24h, 7d or 90m")
+    return int(m.group(1)) * _UNIT_S[m.group(2)]
+
+
+def cmd_usage(args: argparse.Namespace) -> int:
+    """Tokens per key id, as the daemon last saved them (every 10 s, and on stop)."""
+    store = _store(args)
+    path = usage_path(store.path)
+    try:
+        counts = read_usage(path)
+    except UsageFileError as exc:
+        return _fail(f"{path} is not a usage file ({exc}); the daemon sets it aside at start")
+    except OSError as exc:
+        return _fail(f"cannot read {path} ({exc.strerror or exc})")
+    names: dict[str, str] = {}
+    try:
+        store.load()
+        names = {r.id: r.name for r in store.records}
+    except KeysFileError:
+        pass  # names are a courtesy: the ids are what the file counts by
+    start = None if args.since is None else time.time() - args.since
+    per_key = counts.since(start) if counts is not None else {}
+    rows = [
+        {
+            "id": key_id,
+            "name": names.get(key_id),
+            "prompt_tokens": p,
+            "completion_tokens": c,
+            "total_tokens": p + c,
+        }
+        for key_id, (p, c) in sorted(per_key.items(), key=lambda kv: -sum(kv[1]))
+    ]
+    if args.json:
+        print(json.dumps({"since_seconds": args.since, "file": str(path), "keys": rows}, indent=2))
+        return 0
+    table = [USAGE_COLUMNS] + [
+        (
+            r["id"],
+            r["name"] or "(revoked)",
+            str(r["prompt_tokens"]),
+            str(r["completion_tokens"]),
+            str(r["total_tokens"]),
+        )
+        for r in rows
+    ]
+    widths = [max(len(row[i]) for row in table) for i in range(len(USAGE_COLUMNS))]
+    for row in table:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+    if not rows:
+        print(f"no usage recorded in {path}", file=sys.stderr)
+    return 0
+
+
 def add_parser(
     sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser
 ) -> None:
@@ -226,6 +289,24 @@ def add_parser(
     p = ksub.add_parser("list", parents=[common], help="one row per key (never the secret)")
     p.add_argument("--json", action="store_true", help="a JSON list, for machines")
     p.set_defaults(func=cmd_list)
+
+    p = ksub.add_parser(
+        "usage",
+        parents=[common],
+        help="tokens used per key id",
+        description="Prompt and completion tokens per key id, from the engines' own counts, "
+        "as the daemon last saved them (usage.json beside the keys file; every 10 s and on "
+        "stop).",
+    )
+    p.add_argument(
+        "--since",
+        type=_duration,
+        metavar="DURATION",
+        help="only the last DURATION (e.g. 24h, 7d; an hour's grain, 31 days at most); "
+        "default: all time",
+    )
+    p.add_argument("--json", action="store_true", help="a JSON object, for machines")
+    p.set_defaults(func=cmd_usage)
 
     p = ksub.add_parser("revoke", parents=[common], help="revoke a key by its id")
     p.add_argument("id", metavar="ID", help="the key's id, as `keys list` shows it")

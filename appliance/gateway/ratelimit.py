@@ -4,7 +4,9 @@ A bucket holds up to one minute's allowance and refills continuously, so a key m
 burst its whole minute at once and then runs at the steady rate. A refused request is
 not charged, and the answer says how long until it would fit (``Retry-After``).
 Tokens are charged up front from the estimate (prompt + max_tokens): the gateway cannot
-know the real count before the engine has done the work.
+know the real count before the engine has done the work. Once a request ends, the
+engine's real count replaces the estimate (:meth:`RateLimiter.settle`): the estimate
+guards admission, the key is debited what it used.
 """
 
 from __future__ import annotations
@@ -61,6 +63,19 @@ class RateLimiter:
             # bucket (and empties it) rather than refused forever.
             tb.level -= min(tokens, tb.rate_per_minute)
         return None
+
+    def settle(
+        self, key_id: str, tpm: int | None, estimate: int, used: int, now: float | None = None
+    ) -> None:
+        """Debit ``used`` tokens instead of the ``estimate`` charged at admission: the
+        difference goes back to the bucket (or, past the estimate, is taken from it, which
+        may leave it below zero: the key then waits until it has paid)."""
+        b = self._buckets.get((key_id, "tpm")) if tpm else None
+        if b is None or b.rate_per_minute != tpm:
+            return  # no limit, or a new limit since admission: its bucket started afresh
+        b._refill(time.monotonic() if now is None else now)
+        charged = min(estimate, b.rate_per_minute)  # as check() charged it
+        b.level = min(b.rate_per_minute, b.level + charged - used)
 
     def forget(self, live_key_ids: set[str]) -> None:
         """Drop buckets of revoked keys (called on keys reload)."""

@@ -33,10 +33,11 @@ from appliance.gateway.http1 import (
     AnswerTooLarge,
     Head,
     UpstreamError,
-    is_whole_chunks,
+    count_whole_chunks,
     parse_head,
     scan_chunks,
 )
+from appliance.gateway.usage_events import StreamTap
 
 HIGH_WATER = 256 * 1024
 LOW_WATER = 64 * 1024
@@ -91,6 +92,7 @@ class UpstreamConnection(asyncio.Protocol):
         self.error: UpstreamError | None = None
         self.reusable = False
         self.idle_since = 0.0
+        self.tap: StreamTap | None = None  # reads the spliced events' usage (usage_events)
 
     # ---- asyncio.Protocol --------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -112,9 +114,11 @@ class UpstreamConnection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         # The hot path, a stream under way: whole chunks go out as they came.
-        if self._consumer is _Consumer.SPLICE and not self._buf and is_whole_chunks(data):
-            self._emit(data)
-            return
+        if self._consumer is _Consumer.SPLICE and not self._buf:
+            chunks = count_whole_chunks(data)
+            if chunks:
+                self._emit(data if self.tap is None else self.tap.wire(data, chunks))
+                return
         self._buf += data
         self._advance()
 
@@ -129,6 +133,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._collected, self._collected_bytes = [], 0
         self._consumer = _Consumer.PENDING
         self._sink = None
+        self.tap = None
         self.paused = False
         self.error = None
         self.reusable = False
@@ -322,14 +327,17 @@ class UpstreamConnection(asyncio.Protocol):
         if terminal >= 0:
             # The data goes out, not the engine's terminal chunk: the gateway ends
             # the client's stream itself (after an error event, if need be).
-            if terminal:
-                self._emit(bytes(self._buf[:terminal]))
+            last = bytes(self._buf[:terminal])
+            if self.tap is not None:
+                last = self.tap.last(last)
+            if last:
+                self._emit(last)
             del self._buf[:end]
             self._finish()
         elif end:
             wire = bytes(self._buf[:end])
             del self._buf[:end]
-            self._emit(wire)
+            self._emit(wire if self.tap is None else self.tap.wire(wire))
 
     def _keep(self, pieces: list[bytes]) -> None:
         for piece in pieces:

@@ -8,6 +8,7 @@ HTTP/1.1 clients take the faster path in via_splice.py.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import TYPE_CHECKING
 
 import aiohttp
@@ -16,6 +17,7 @@ from aiohttp import web
 from appliance.gateway.answers import EngineCall, end_with_error_event, read_whole, stream_response
 from appliance.gateway.failures import RETRYABLE_STATUS, EngineFailure, failure_if_abandoned
 from appliance.gateway.http1 import AnswerTooLarge
+from appliance.gateway.usage_events import StreamTap, usage_of_answer
 
 if TYPE_CHECKING:
     from appliance.gateway.app import Gateway
@@ -88,20 +90,38 @@ async def _answer_whole(
         content_type=upstream.content_type or "application/json",
     )
     gw.metrics.first_byte(call.parsed.route, call.parsed.model, call.started)
+    if upstream.status == 200:
+        gw.usage.finish(call, usage_of_answer(body))
     return resp
 
 
 async def _stream(
     gw: Gateway, call: EngineCall, upstream: aiohttp.ClientResponse
 ) -> web.StreamResponse:
-    """The engine's chunks, each written on as it came; raises before the first one
-    (the caller retries), ends with an error event after it."""
+    tap = StreamTap.for_plan(call.parsed.usage)
+    try:
+        return await _stream_events(gw, call, upstream, tap)
+    finally:
+        if tap.events:  # the stream reached the client: count it, however it ended
+            gw.usage.finish(call, tap.usage, tap.produced())
+
+
+async def _stream_events(
+    gw: Gateway, call: EngineCall, upstream: aiohttp.ClientResponse, tap: StreamTap
+) -> web.StreamResponse:
+    """The engine's events, each written on as it came (whole events: ``tap`` may take
+    the usage event out); raises before the first one (the caller retries), ends with
+    an error event after it."""
     request = call.client
     resp = stream_response(upstream.headers.get("Content-Type", "text/event-stream"))
     first = True
     content = upstream.content
+    pending = bytearray()  # a partial event
     try:
-        async for chunk in content.iter_any():
+        async for data in content.iter_any():
+            chunk = tap.sse(data, pending)
+            if not chunk:
+                continue
             if first:
                 # Headers go out with the first chunk: until then a failure can still
                 # be retried elsewhere without the client knowing.
@@ -118,8 +138,17 @@ async def _stream(
     except (TimeoutError, aiohttp.ClientError) as exc:
         if first:
             raise
+        await _write_rest(resp, tap.flush_sse(pending))
         await end_with_error_event(request, resp, type(exc).__name__)
     if first:
         await resp.prepare(request)  # an empty stream: still a valid (empty) answer
+    await _write_rest(resp, tap.flush_sse(pending))
     await resp.write_eof()
     return resp
+
+
+async def _write_rest(resp: web.StreamResponse, rest: bytes) -> None:
+    """What the tap still held when the engine's stream ended."""
+    if rest:
+        with contextlib.suppress(ConnectionError):
+            await resp.write(rest)

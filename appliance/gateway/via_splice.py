@@ -18,6 +18,7 @@ from appliance.gateway.answers import EngineCall, end_with_error_event, read_who
 from appliance.gateway.failures import RETRYABLE_STATUS, EngineFailure, failure_if_abandoned
 from appliance.gateway.http1 import Head, UpstreamError, request_bytes
 from appliance.gateway.splice import UpstreamConnection, UpstreamPool
+from appliance.gateway.usage_events import StreamTap
 
 if TYPE_CHECKING:
     from appliance.gateway.app import Gateway
@@ -31,15 +32,19 @@ async def relay_via_splice(gw: Gateway, call: EngineCall) -> web.StreamResponse 
         return conn
     attempt = call.attempt
     attempt.close = lambda: conn.abort(attempt.why)
+    tap = None
     try:
         head = await _until_first_chunk(gw, call, conn)
         if not isinstance(head, Head):
             return head  # a whole answer, or a failure to retry elsewhere
+        conn.tap = tap = StreamTap.for_plan(call.parsed.usage)
         resp = stream_response(head.headers.get("content-type", "text/event-stream"))
         resp.enable_chunked_encoding()
         ended = await _splice_stream(gw, call, conn, resp)
     finally:
         pool.release(call.address, conn)
+        if tap is not None:  # the stream reached the client: count it, however it ended
+            gw.usage.finish(call, tap.usage, tap.produced())
     if ended:
         with contextlib.suppress(ConnectionError):
             await resp.write_eof()

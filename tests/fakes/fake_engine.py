@@ -52,6 +52,8 @@ from aiohttp import web
 
 VERSION = "0.32.0-fake"
 EMBEDDING_DIM = 8
+SYSTEM_FINGERPRINT = "vllm-0.32.0-fake-0123abcd"
+COMPACT = (",", ":")  # vLLM (pydantic) writes its events without spaces
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0)
 FINISH_REASONS = ("stop", "length", "abort", "error")
@@ -672,7 +674,7 @@ class FakeEngine:
         produced = 0
         admitted = False
 
-        def chunk(choices: list[dict[str, Any]], usage: Any = None) -> bytes:
+        def chunk(choices: list[dict[str, Any]], usage: Any = None, stamp: bool = False) -> bytes:
             data: dict[str, Any] = {
                 "id": req_id,
                 "object": obj_chunk,
@@ -682,7 +684,9 @@ class FakeEngine:
             }
             if usage is not None:
                 data["usage"] = usage
-            return f"data: {json.dumps(data)}\n\n".encode()
+            if stamp:
+                data["system_fingerprint"] = SYSTEM_FINGERPRINT
+            return f"data: {json.dumps(data, separators=COMPACT)}\n\n".encode()  # as vLLM
 
         def piece(i: int, text: str, finish: str | None) -> dict[str, Any]:
             if kind == "chat":
@@ -800,9 +804,12 @@ class FakeEngine:
                 }
             )
         try:
-            await resp.write(chunk([piece(i, "", "length") for i in range(n)]))
+            # As vLLM 0.32: the fingerprint on the finishing events, or, with
+            # include_usage, on the usage event (just before [DONE]) instead.
+            finish = [piece(i, "", "length") for i in range(n)]
+            await resp.write(chunk(finish, stamp=not include_usage))
             if include_usage:
-                await resp.write(chunk([], usage))
+                await resp.write(chunk([], usage, stamp=True))
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
         except ConnectionResetError:

@@ -1,0 +1,255 @@
+"""The engine's own token counts of a streamed answer, read off the stream as it passes.
+
+vLLM sends a stream's usage only when asked (``stream_options.include_usage``): then, just
+before ``data: [DONE]``, one event with ``"choices":[]`` and ``"usage":{...}``. So the
+gateway asks for it on every streamed chat and completions request (:func:`plan_usage`)
+and, when the client did not ask, takes that event out of what the client receives
+(:class:`StreamTap`), so the client's stream is byte for byte what vLLM would have sent
+without ``include_usage``. vLLM's ``continuous_usage_stats`` is never turned on: it would
+put a usage object in every token event.
+
+One more difference has to be undone. vLLM 0.32 stamps ``system_fingerprint`` on an
+answer's finishing events (``"finish_reason":"..."``) only without ``include_usage``; with
+it, the fingerprint moves to the usage event. So the tap holds back a finishing event
+until the usage event says the fingerprint, and puts it back where vLLM would have
+(the last field of the event), then drops the usage event. Finishing events are at the
+end of a stream, so holding them costs no latency worth the name; with ``n`` > 1, events
+of other choices that follow the first finish are held with it, in order.
+
+Cost on the per-token path: per read from the engine, one C-level search for
+``"usage"`` (and, when stripping, one for ``"finish_reason":"``); neither can occur
+inside a JSON string value (its quotes are escaped), so a token's text never triggers
+the slow path. Only the few events that match are parsed.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from appliance.gateway.cost import chat_prompt_tokens, prompt_tokens
+from appliance.gateway.http1 import scan_chunks
+
+USAGE_MARK = b'"usage"'
+FINISH_MARK = b'"finish_reason":"'
+DATA_PREFIX = b"data: "
+STREAM_USAGE = b'"stream_options":{"include_usage":true},'
+ROUTES_WITH_STREAM_USAGE = ("chat", "completions")
+
+
+@dataclass(frozen=True, slots=True)
+class UsagePlan:
+    """What the gateway does about a request's token counts."""
+
+    added: bool  # the gateway asked for the stream's usage event: strip it from the client's
+    prompt_estimate: int  # the prompt tokens counted when the engine's usage never comes
+    rewrite: bool = False  # the body must be re-serialised (the client sent stream_options)
+    preamble: int = 0  # events before the first token: a chat stream's role event
+
+
+def plan_usage(route: str, stream: bool, body: dict[str, Any], max_prompts: int) -> UsagePlan:
+    """Ask for the stream's usage event when the client did not (``body`` is updated);
+    the prompt estimate is kept for a stream that dies before its usage event."""
+    estimate = _prompt_estimate(route, body, max_prompts)
+    preamble = 1 if route == "chat" else 0
+    if not stream or route not in ROUTES_WITH_STREAM_USAGE:
+        return UsagePlan(False, estimate)
+    options = body.get("stream_options")
+    if isinstance(options, dict) and options.get("include_usage") is True:
+        return UsagePlan(False, estimate, preamble=preamble)  # the client reads it too
+    if isinstance(options, dict):
+        # continuous_usage_stats would take effect with include_usage: keep it off.
+        body["stream_options"] = {**options, "include_usage": True, "continuous_usage_stats": False}
+        return UsagePlan(True, estimate, rewrite=True, preamble=preamble)
+    if options is not None:
+        return UsagePlan(False, estimate, preamble=preamble)  # not an object: vLLM refuses it
+    body["stream_options"] = {"include_usage": True}
+    return UsagePlan(True, estimate, preamble=preamble)
+
+
+def insert_stream_usage(raw: bytes) -> bytes | None:
+    """The client's bytes with ``stream_options`` added as the first field, or None when
+    the body is not plain UTF-8 JSON starting with ``{`` (then it is re-serialised)."""
+    start = len(raw) - len(raw.lstrip(b" \t\r\n"))
+    if raw[start : start + 1] != b"{":
+        return None
+    return raw[: start + 1] + STREAM_USAGE + raw[start + 1 :]
+
+
+def _prompt_estimate(route: str, body: dict[str, Any], max_prompts: int) -> int:
+    try:
+        if route == "chat":
+            return chat_prompt_tokens(body["messages"], body.get("tools"))
+        field = "input" if route == "embeddings" else "prompt"
+        return sum(prompt_tokens(body[field], field, max_prompts))
+    except Exception:  # already checked by request_cost: never fail a request here
+        return 0
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt: int
+    completion: int
+
+
+def usage_of(obj: Any) -> Usage | None:
+    """The counts in an answer's (or a usage event's) ``usage`` object, if well formed."""
+    usage = obj.get("usage") if isinstance(obj, dict) else None
+    if not isinstance(usage, dict):
+        return None
+    prompt = usage.get("prompt_tokens")
+    completion = usage.get("completion_tokens", 0)
+    if completion is None:
+        completion = 0  # embeddings may leave it out or null
+    ok = isinstance(prompt, int) and isinstance(completion, int)
+    if not ok or prompt < 0 or completion < 0 or isinstance(prompt, bool):
+        return None
+    return Usage(prompt, completion)
+
+
+def usage_of_answer(body: bytes) -> Usage | None:
+    """The counts in a non-streamed answer body (chat, completions, embeddings)."""
+    if USAGE_MARK not in body:
+        return None
+    try:
+        return usage_of(json.loads(body))
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return None
+
+
+def _event_json(payload: bytes) -> Any:
+    """The JSON of one SSE ``data:`` event, or None."""
+    text = payload.strip()
+    if not text.startswith(DATA_PREFIX.strip()):
+        return None
+    try:
+        return json.loads(text[len(DATA_PREFIX.strip()) :])
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return None
+
+
+def _frame(payload: bytes) -> bytes:
+    """One HTTP/1.1 chunk, framed as uvicorn (h11) frames it."""
+    return b"%x\r\n" % len(payload) + payload + b"\r\n"
+
+
+def _with_fingerprint(payload: bytes, fingerprint: bytes) -> bytes:
+    """A finishing event with ``system_fingerprint`` as its last field, as vLLM writes it."""
+    body = payload.rstrip()
+    if not body.endswith(b"}"):
+        return payload
+    tail = payload[len(body) :]
+    return body[:-1] + b',"system_fingerprint":' + fingerprint + b"}" + tail
+
+
+class StreamTap:
+    """One stream's view of its events: the engine's usage, and how many events passed.
+
+    ``strip``: the gateway asked for the usage event, so the client must not see it.
+    ``events`` counts the events relayed, which stands in for the completion tokens when
+    the stream ends without a usage event (vLLM sends one event per token step).
+    """
+
+    __slots__ = ("events", "held", "preamble", "strip", "usage")
+
+    @classmethod
+    def for_plan(cls, plan: UsagePlan | None) -> StreamTap:
+        if plan is None:
+            return cls(strip=False)
+        return cls(plan.added, plan.preamble)
+
+    def __init__(self, strip: bool, preamble: int = 0) -> None:
+        self.strip = strip
+        self.preamble = preamble
+        self.events = 0
+        self.usage: Usage | None = None
+        self.held: list[bytes] | None = None  # finishing events waiting for the fingerprint
+
+    # ---- the splice path: whole HTTP/1.1 chunks, one SSE event each ----------------------
+    def wire(self, wire: bytes, chunks: int = 0) -> bytes:
+        """What of ``wire`` (whole chunks, ``chunks`` of them when the caller counted
+        them) goes to the client now."""
+        if self._passes(wire):
+            self.events += chunks or len(scan_chunks(wire)[1])
+            return wire  # the per-token path
+        _, payloads, _ = scan_chunks(wire)
+        self.events += len(payloads)
+        return b"".join(_frame(p) for p in self._events(payloads))
+
+    def last(self, wire: bytes) -> bytes:
+        """The whole chunks before the body's end, then any events still held (the
+        stream ended without its usage event): what the client gets last."""
+        out = self.wire(wire) if wire else b""
+        held, self.held = self.held, None
+        return out + b"".join(_frame(p) for p in held or ())
+
+    # ---- the aiohttp client path (HTTP/1.0 clients): SSE bytes in any pieces ------------
+    def sse(self, data: bytes, pending: bytearray) -> bytes:
+        """What of ``data`` goes to the client now; a partial event waits in ``pending``."""
+        pending += data
+        end = pending.rfind(b"\n\n")
+        if end < 0:
+            return b""
+        whole = bytes(pending[: end + 2])
+        del pending[: end + 2]
+        events = [e + b"\n\n" for e in whole.split(b"\n\n")[:-1]]
+        self.events += len(events)
+        if self._passes(whole):
+            return whole
+        return b"".join(self._events(events))
+
+    def flush_sse(self, pending: bytearray) -> bytes:
+        held, self.held = self.held, None
+        out = b"".join(held or ()) + bytes(pending)
+        pending.clear()
+        return out
+
+    # ---- both ------------------------------------------------------------------------
+    def _passes(self, data: bytes) -> bool:
+        """Whether ``data`` goes on untouched: no usage event in it, nothing held, and
+        (when stripping) no finishing event. Two C-level searches, no parsing."""
+        if self.held is not None or USAGE_MARK in data:
+            return False
+        return not self.strip or FINISH_MARK not in data
+
+    def _events(self, payloads: list[bytes]) -> list[bytes]:
+        out: list[bytes] = []
+        for payload in payloads:
+            if USAGE_MARK in payload and self._take_usage(payload, out):
+                continue
+            if self.strip and (self.held is not None or FINISH_MARK in payload):
+                if self.held is None:
+                    self.held = []
+                self.held.append(payload)
+                continue
+            out.append(payload)
+        return out
+
+    def _take_usage(self, payload: bytes, out: list[bytes]) -> bool:
+        """Whether ``payload`` was the usage event and is not for the client."""
+        obj = _event_json(payload)
+        if not isinstance(obj, dict) or obj.get("choices") != []:
+            return False  # continuous usage on a token event (the client asked): pass on
+        usage = usage_of(obj)
+        if usage is None:
+            return False
+        self.usage = usage
+        self.events -= 1  # not a token event
+        if not self.strip:
+            return False
+        fingerprint = obj.get("system_fingerprint")
+        fp = json.dumps(fingerprint).encode() if isinstance(fingerprint, str) else None
+        for held in self.held or ():
+            if fp is not None and FINISH_MARK in held:
+                held = _with_fingerprint(held, fp)
+            out.append(held)
+        self.held = None
+        return True
+
+    def produced(self) -> int:
+        """Completion tokens when no usage event came (the engine was killed, the client
+        left): the token events relayed, less a chat stream's role event. vLLM sends one
+        event per token step (its last token rides on the finishing event), so this is
+        what was produced, give or take a ``[DONE]`` that came without a usage event."""
+        return max(self.events - self.preamble, 0)

@@ -1,0 +1,165 @@
+"""Reading a stream's usage event, and taking it out when the client did not ask for it.
+
+The events are vLLM 0.32's (compact JSON; ``system_fingerprint`` on the finishing event
+without include_usage, on the usage event with it): what the client receives through the
+tap must be byte for byte the stream vLLM sends without include_usage, however the
+engine's bytes are split into reads.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from appliance.gateway.http1 import count_whole_chunks, is_whole_chunks, scan_chunks
+from appliance.gateway.usage_events import (
+    StreamTap,
+    Usage,
+    insert_stream_usage,
+    plan_usage,
+    usage_of_answer,
+)
+
+FP = "vllm-0.32.0-1a2b3c4d"
+HEAD = '"id":"chatcmpl-1","object":"chat.completion.chunk","created":7,"model":"m"'
+
+
+def event(obj: str) -> bytes:
+    return f"data: {{{obj}}}\n\n".encode()
+
+
+def token(text: str, finish: str | None = None, fp: bool = False) -> bytes:
+    reason = "null" if finish is None else f'"{finish}"'
+    choice = f'{{"index":0,"delta":{{"content":{json.dumps(text)}}},"finish_reason":{reason}}}'
+    stamp = f',"system_fingerprint":"{FP}"' if fp else ""
+    return event(f'{HEAD},"choices":[{choice}]{stamp}')
+
+
+ROLE = event(HEAD + ',"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]')
+USAGE = event(
+    HEAD + ',"choices":[],"usage":{"prompt_tokens":11,"total_tokens":14,"completion_tokens":3}'
+    f',"system_fingerprint":"{FP}"'
+)
+DONE = b"data: [DONE]\n\n"
+# A token whose text looks like the marks: escaped inside JSON, so never taken for them.
+TRICKY = 'say "usage": and "finish_reason":"stop"'
+
+# What vLLM sends for one answer, without and with include_usage.
+PLAIN = [ROLE, token("a"), token(TRICKY), token("c", "stop", fp=True), DONE]
+WITH_USAGE = [ROLE, token("a"), token(TRICKY), token("c", "stop"), USAGE, DONE]
+
+
+def wire(events: list[bytes]) -> bytes:
+    return b"".join(b"%x\r\n" % len(e) + e + b"\r\n" for e in events)
+
+
+def body_of(wire_bytes: bytes) -> bytes:
+    return b"".join(scan_chunks(wire_bytes)[1])
+
+
+def through_splice(tap: StreamTap, events: list[bytes], per_read: int) -> bytes:
+    """Feed the tap ``per_read`` whole chunks at a time, as splice.py does."""
+    out = []
+    for i in range(0, len(events), per_read):
+        piece = wire(events[i : i + per_read])
+        out.append(tap.wire(piece, count_whole_chunks(piece)))
+    out.append(tap.last(b""))
+    return b"".join(out)
+
+
+@pytest.mark.parametrize("per_read", [1, 2, 3, 6])
+def test_the_added_usage_event_is_taken_out_byte_for_byte(per_read: int) -> None:
+    tap = StreamTap(strip=True)
+    sent = through_splice(tap, WITH_USAGE, per_read)
+    assert body_of(sent) == b"".join(PLAIN)
+    assert is_whole_chunks(sent)
+    assert tap.usage == Usage(11, 3)
+
+
+def test_a_client_that_asked_gets_the_usage_event_untouched() -> None:
+    tap = StreamTap(strip=False)
+    sent = through_splice(tap, WITH_USAGE, 1)
+    assert sent == wire(WITH_USAGE)
+    assert tap.usage == Usage(11, 3)
+
+
+def test_token_events_pass_without_a_copy() -> None:
+    tap = StreamTap(strip=True)
+    piece = wire([token("a")])
+    assert tap.wire(piece, 1) is piece
+    assert tap.events == 1
+
+
+def test_an_engine_without_fingerprint_finishes_unchanged() -> None:
+    usage = USAGE.replace(f',"system_fingerprint":"{FP}"'.encode(), b"")
+    plain = [ROLE, token("a"), token("c", "stop"), DONE]
+    tap = StreamTap(strip=True)
+    sent = through_splice(tap, [ROLE, token("a"), token("c", "stop"), usage, DONE], 1)
+    assert body_of(sent) == b"".join(plain)
+
+
+def test_a_stream_cut_before_its_usage_event_gives_back_what_was_held() -> None:
+    """The engine died after the finishing event: the client still gets it (unstamped),
+    and the tokens relayed are counted."""
+    tap = StreamTap(strip=True, preamble=1)
+    sent = through_splice(tap, [ROLE, token("a"), token("b"), token("c", "stop")], 1)
+    assert body_of(sent) == b"".join([ROLE, token("a"), token("b"), token("c", "stop")])
+    assert tap.usage is None
+    assert tap.produced() == 3  # the role event is not a token
+
+
+@pytest.mark.parametrize("cut", [1, 7, 50, 200])
+def test_http10_path_any_split_byte_for_byte(cut: int) -> None:
+    raw = b"".join(WITH_USAGE)
+    tap = StreamTap(strip=True)
+    pending = bytearray()
+    out = [tap.sse(raw[i : i + cut], pending) for i in range(0, len(raw), cut)]
+    out.append(tap.flush_sse(pending))
+    assert b"".join(out) == b"".join(PLAIN)
+    assert tap.usage == Usage(11, 3)
+
+
+def test_continuous_usage_asked_by_the_client_passes() -> None:
+    per_token = event(HEAD + ',"choices":[{"index":0,"delta":{"content":"a"}}],"usage":{}')
+    tap = StreamTap(strip=False)
+    assert tap.wire(wire([per_token]), 1) == wire([per_token])
+    assert tap.usage is None
+
+
+def body(**fields: Any) -> dict[str, Any]:
+    return {"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}
+
+
+def test_plan_asks_for_usage_only_where_the_client_did_not() -> None:
+    b = body(stream=True)
+    assert plan_usage("chat", True, b, 8).added
+    assert b["stream_options"] == {"include_usage": True}
+    asked = body(stream=True, stream_options={"include_usage": True})
+    assert not plan_usage("chat", True, asked, 8).added
+    assert not plan_usage("chat", False, body(), 8).added
+    assert not plan_usage("embeddings", True, {"model": "m", "input": "x"}, 8).added
+
+
+def test_plan_never_turns_continuous_usage_on() -> None:
+    b = body(stream=True, stream_options={"continuous_usage_stats": True})
+    plan = plan_usage("chat", True, b, 8)
+    assert plan.added and plan.rewrite
+    assert b["stream_options"] == {"include_usage": True, "continuous_usage_stats": False}
+
+
+def test_inserted_field_keeps_the_clients_bytes() -> None:
+    raw = b' {"model":"m","stream":true,"prompt":"\\u00e9"}'
+    new = insert_stream_usage(raw)
+    assert new is not None
+    assert json.loads(new) == {**json.loads(raw), "stream_options": {"include_usage": True}}
+    assert new.endswith(raw[2:])
+    assert insert_stream_usage('{"a":1}'.encode("utf-16")) is None
+
+
+def test_usage_of_a_whole_answer() -> None:
+    answer = b'{"object":"list","data":[],"usage":{"prompt_tokens":5,"total_tokens":5}}'
+    assert usage_of_answer(answer) == Usage(5, 0)
+    assert usage_of_answer(b'{"usage":{"prompt_tokens":"x"}}') is None
+    assert usage_of_answer(b"not json") is None

@@ -1,0 +1,104 @@
+"""The usage file: hourly buckets, atomic saves, a corrupt file set aside, the tpm debit."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from appliance.gateway.ratelimit import RateLimiter
+from appliance.gateway.usage import HOUR_S, KEEP_HOURS, UsageBook, read_usage, usage_path
+
+T0 = 1_700_000_000.0  # a fixed clock
+
+
+def book(tmp_path: Path) -> UsageBook:
+    return UsageBook(usage_path(tmp_path / "keys.json"), CollectorRegistry(), RateLimiter())
+
+
+def test_counts_survive_a_save_and_load(tmp_path: Path) -> None:
+    b = book(tmp_path)
+    b.add("k1", 10, 5, now=T0)
+    b.add("k1", 1, 2, now=T0 + 2 * HOUR_S)
+    b.add("k2", 7, 0, now=T0)
+    b.save(now=T0 + 2 * HOUR_S)
+    assert b.path == tmp_path / "usage.json"
+    assert os.stat(b.path).st_mode & 0o777 == 0o600
+    again = book(tmp_path)
+    again.load()
+    assert again.counts.since(None) == {"k1": (11, 7), "k2": (7, 0)}
+    # --since: the hours from the one holding the start on.
+    assert again.counts.since(T0 + HOUR_S + 1) == {"k1": (1, 2)}
+    assert again.counts.since(T0 - HOUR_S) == {"k1": (11, 7), "k2": (7, 0)}
+
+
+def test_a_save_replaces_the_file_whole(tmp_path: Path) -> None:
+    b = book(tmp_path)
+    b.add("k1", 1, 1, now=T0)
+    b.save(now=T0)
+    b.add("k1", 1, 1, now=T0)
+    b.save(now=T0)
+    assert [p.name for p in tmp_path.iterdir()] == ["usage.json"]  # no temp file left
+    assert json.loads(b.path.read_bytes())["keys"]["k1"]["prompt_tokens"] == 2
+
+
+def test_old_hours_are_dropped_totals_kept(tmp_path: Path) -> None:
+    b = book(tmp_path)
+    b.add("k1", 3, 4, now=T0)
+    b.save(now=T0 + (KEEP_HOURS + 2) * HOUR_S)
+    counts = read_usage(b.path)
+    assert counts is not None
+    assert counts.hours["k1"] == {}
+    assert counts.since(None) == {"k1": (3, 4)}
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"{not json",
+        b'{"format": 99, "keys": {}}',
+        b'{"format":1,"keys":{"k":{"prompt_tokens":-1}}}',
+    ],
+)
+def test_a_corrupt_file_is_set_aside_and_counting_starts_fresh(
+    tmp_path: Path, content: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "usage.json"
+    path.write_bytes(content)
+    b = book(tmp_path)
+    with caplog.at_level(logging.ERROR, logger="appliance.gateway"):
+        b.load()
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith("usage.json.corrupt-")]
+    assert len(aside) == 1 and aside[0].read_bytes() == content
+    assert not path.exists()
+    assert b.counts.since(None) == {}
+    assert any(
+        "not a usage file" in r.getMessage() and r.levelno == logging.ERROR for r in caplog.records
+    )
+    b.add("k1", 1, 0, now=T0)
+    b.save(now=T0)
+    assert read_usage(path) is not None
+
+
+def test_the_metric_counts_per_key_id_and_kind(tmp_path: Path) -> None:
+    registry = CollectorRegistry()
+    b = UsageBook(tmp_path / "usage.json", registry, RateLimiter())
+    b.add("k1", 10, 5)
+    b.add("k1", 1, 0)
+    value = registry.get_sample_value
+    assert value("appliance_key_tokens_total", {"key": "k1", "kind": "prompt"}) == 11
+    assert value("appliance_key_tokens_total", {"key": "k1", "kind": "completion"}) == 5
+
+
+def test_tpm_debits_the_real_count_not_the_estimate() -> None:
+    rl = RateLimiter()
+    assert rl.check("k", None, 1000, 900, now=0.0) is None  # estimate 900 of 1000
+    assert rl.check("k", None, 1000, 500, now=0.0) is not None
+    rl.settle("k", 1000, 900, 100, now=0.0)  # it used 100
+    assert rl.check("k", None, 1000, 500, now=0.0) is None
+    rl.settle("k", 1000, 500, 1300, now=0.0)  # it used more than estimated: owed
+    assert rl.check("k", None, 1000, 1, now=0.0) is not None
