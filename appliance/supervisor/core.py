@@ -15,6 +15,7 @@ Signal handlers only put the signal on a queue; the main loop calls one small me
 per signal, so nothing complicated ever runs inside a handler. Each engine's runner is
 the only code that moves that engine's state: the supervisor reads the runners' states
 and tells them things (a nudge after a reload, or at stop), and never sets one.
+A reload's reading and merging is in reloading.py; the tasks' start and end in tasks.py.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from appliance import paths, proctree
-from appliance.audit import AuditLog, Outcome
-from appliance.config import Config, load_config
+from appliance.audit import AuditLog
+from appliance.config import Config
 from appliance.control import (
     ApplianceStatus,
     CommandResult,
@@ -41,9 +42,8 @@ from appliance.control import (
     StartHttp,
 )
 from appliance.engine import EngineState
-from appliance.errors import EXIT_NO_ENGINE, EXIT_OK, ConfigError
+from appliance.errors import EXIT_NO_ENGINE, EXIT_OK
 from appliance.plan import EnginePlan
-from appliance.reload import merge_live
 from appliance.supervisor.boot import SocketDir, gpu_count, make_plan, open_telemetry
 from appliance.supervisor.commands import Drain, Nudge, Restart, Resume
 from appliance.supervisor.coordination import RestartCoordinator
@@ -51,7 +51,9 @@ from appliance.supervisor.heat import HeatWatch
 from appliance.supervisor.notify import SystemdReporter, status_line
 from appliance.supervisor.probe import HttpProbe
 from appliance.supervisor.process import EngineProcess
+from appliance.supervisor.reloading import audit_reload, reload_keys, reread_config
 from appliance.supervisor.runner import EngineRunner
+from appliance.supervisor.tasks import SupervisorTasks
 from appliance.systemd import Notifier
 from appliance.telemetry import GpuReading
 
@@ -95,8 +97,7 @@ class Supervisor:
         self._heat: HeatWatch | None = None
         self._sockets = SocketDir()
         self.coordinator = RestartCoordinator(lambda: ((r.id, r.state) for r in self._runners))
-        self._tasks: list[asyncio.Task[None]] = []
-        self._runner_tasks: list[asyncio.Task[None]] = []
+        self._tasks = SupervisorTasks()
         # Stopping: the stop task drains, then runners stop (second SIGINT: at once).
         self._stop_task: asyncio.Task[None] | None = None
         self._stopping = False
@@ -173,19 +174,8 @@ class Supervisor:
                 http = await start_http()
                 self._link = http.link
             self.accepting = True
-            self._tasks.append(
-                asyncio.create_task(
-                    heat.run(
-                        self._runners,
-                        lambda: self._link,
-                        lambda: self._stopping,
-                    ),
-                    name="telemetry",
-                )
-            )
-            for r in self._runners:
-                self._runner_tasks.append(asyncio.create_task(r.run(), name=r.spec.name))
-            self._tasks += self._runner_tasks
+            telemetry = heat.run(self._runners, lambda: self._link, lambda: self._stopping)
+            self._tasks.start(telemetry, self._runners)
             await self._main_loop()
         finally:
             for sig in SIGNALS:
@@ -298,57 +288,25 @@ class Supervisor:
                 break
             await asyncio.sleep(STOP_POLL_S)
         self._stop_runners()
-        await asyncio.gather(*self._runner_tasks, return_exceptions=True)
+        await self._tasks.runners_done()
 
     async def _shutdown_tasks(self) -> None:
         self._stop_runners()
-        if self._runner_tasks:
-            longest = max(m.engine.stop_timeout_s for m in self.config.served)
-            await asyncio.wait(self._runner_tasks, timeout=longest + 15)
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        # Whatever happened above, no engine process may outlive us.
-        for r in self._runners:
-            await r.kill_now(0.5 if self._fast_stop else 5.0)
+        kill_timeout_s = 0.5 if self._fast_stop else 5.0
+        await self._tasks.shut_down(self._runners, self.config, kill_timeout_s)
 
     # ---- reload and the status line -------------------------------------------------
     def reload(self) -> None:
         self._reporter.notifier.reloading()
-        # The audit line names changed keys and counts problems, never a value (engine.env
-        # may hold a token).
-        outcome: Outcome = "ok"
-        detail: dict[str, object] = {}
-        try:
-            new = load_config(self._config_arg, self._env, require_file=bool(self.config.source))
-        except ConfigError as exc:
-            outcome, detail["problems"] = "refused", len(exc.problems)
-            log.error(
-                "reload refused; the running config stays in force:\n  %s",
-                "\n  ".join(exc.problems),
-            )
-        else:
-            self.config, live, restart = merge_live(self.config, new)
-            detail |= {"applied": live, "need_restart": restart}
-            if live:
-                log.info("reload applied: %s", ", ".join(live))
-                for r in self._runners:
-                    r.tell(Nudge())  # runners re-read their timers now
-                if self._heat is not None:
-                    self._heat.nudge()  # and the telemetry loop its interval
-            if restart:
-                log.warning(
-                    "reload: these keys changed but need a restart "
-                    "(systemctl restart llm-appliance): %s",
-                    ", ".join(restart),
-                )
-        try:
-            self._link.reload()
-        except Exception:  # a failing key reload must not take the daemon down
-            log.exception("reloading keys failed")
-            outcome, detail["keys"] = "error", "reload failed (see the journal)"
-        source = self.config.source or "built-in defaults"
-        self._audit.record("config.reload", f"config:{source}", "signal:SIGHUP", outcome, **detail)
+        done = reread_config(self.config, self._config_arg, self._env)
+        self.config = done.config
+        if done.applied:
+            for r in self._runners:
+                r.tell(Nudge())  # runners re-read their timers now
+            if self._heat is not None:
+                self._heat.nudge()  # and the telemetry loop its interval
+        reload_keys(self._link, done)
+        audit_reload(self._audit, done)
         self._reporter.reloaded()
 
     def status_line(self) -> str:
