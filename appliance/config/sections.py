@@ -8,8 +8,11 @@ docs (``python -m appliance.config --markdown``) and a test fails when it is sta
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
+
+from appliance.config.field_spec import config_field as _f
+from appliance.config.gateway_section import GatewayConfig as GatewayConfig  # re-exported
 
 COMMAND_PLACEHOLDERS = frozenset(
     {"python", "model", "uds", "port", "gpu", "api_key", "served_model_name"}
@@ -29,141 +32,6 @@ RESERVED_ENGINE_ENV = frozenset(
 
 Device = Literal["auto", "cuda", "cpu"]
 Listen = Literal["unix", "tcp"]
-
-
-def _f(
-    default: Any,
-    doc: str,
-    *,
-    lo: float | None = None,
-    hi: float | None = None,
-    lo_open: bool = False,
-    live: bool = False,
-) -> Any:
-    """A config field: its default, the sentence that documents it, numeric bounds, and
-    ``live``: a SIGHUP puts a new value in force in the running daemon.
-
-    Mark a field live only when every use of it reads the running config at the time of
-    use (never a copy made at start-up): tests/unit/test_live_keys.py checks each one.
-    """
-    meta = {"doc": doc, "lo": lo, "hi": hi, "lo_open": lo_open, "live": live}
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata=meta)
-    return field(default=default, metadata=meta)
-
-
-@dataclass(frozen=True)
-class GatewayConfig:
-    host: str = _f(
-        "127.0.0.1",
-        "Address the gateway listens on. A non-loopback address needs "
-        "`allow_lan = true` (and should use TLS).",
-    )
-    port: int = _f(8080, "TCP port of the gateway.", lo=1, hi=65535)
-    allow_lan: bool = _f(False, "Allow `host` to be a non-loopback address.")
-    tls_cert: str = _f("", "PEM certificate file; with `tls_key` the gateway serves HTTPS.")
-    tls_key: str = _f("", "PEM private key file for `tls_cert`.")
-    keys_file: str = _f(
-        "/var/lib/llm-appliance/keys.json",
-        "API keys file (hashes only, mode 0600). Created with one admin key on "
-        "first start when missing or empty.",
-    )
-    max_body_bytes: int = _f(1048576, "Largest request body accepted; larger gets 413.", lo=1024)
-    max_tokens_cap: int = _f(
-        4096,
-        "Largest `max_tokens` a request may ask for; larger is "
-        "refused with 400 (never silently clamped). A chat request without "
-        "`max_tokens` (or with null) is sent to the engine with this value, never "
-        "more than the context leaves.",
-        lo=1,
-        live=True,
-    )
-    max_n: int = _f(
-        16,
-        "Largest `n` (answers per prompt) a request may ask for; larger gets 400. "
-        "Each answer is counted in the request's token cost.",
-        lo=1,
-        hi=16384,
-        live=True,
-    )
-    max_best_of: int = _f(
-        16,
-        "Largest `best_of` a request may ask for; larger gets 400. Counted like `n` "
-        "(vLLM 0.32 ignores it, other engines generate that many sequences).",
-        lo=1,
-        hi=16384,
-        live=True,
-    )
-    max_prompts: int = _f(
-        2048,
-        "Longest list of prompts (`/v1/completions` `prompt`) or inputs "
-        "(`/v1/embeddings` `input`) one request may carry; longer gets 400. Every "
-        "prompt is counted in the request's token cost.",
-        lo=1,
-        live=True,
-    )
-    max_answer_bytes: int = _f(
-        33554432,
-        "Largest non-streamed answer the gateway relays (it holds each one whole); "
-        "larger gets 502 and should be streamed. The default (32 MiB) holds the "
-        "longest plain-text answer the other limits allow many times over, and a "
-        "full batch of float embeddings of a small model.",
-        lo=65536,
-        live=True,
-    )
-    max_queue: int = _f(
-        256,
-        "Requests waiting for an engine beyond this get 503 with Retry-After.",
-        lo=0,
-        live=True,
-    )
-    queue_timeout_s: float = _f(
-        30.0,
-        "Longest a request waits in the queue before 503.",
-        lo=0,
-        lo_open=True,
-        live=True,
-    )
-    queue_aging_s: float = _f(
-        10.0,
-        "A queued request too large for the room any engine has now lets smaller ones "
-        "behind it go first, for at most this long; after that nobody passes it, so "
-        "it is not starved. 0 = strict arrival order.",
-        lo=0,
-        live=True,
-    )
-    metrics_public: bool = _f(
-        False,
-        "false: /metrics needs a key with scope `metrics` or "
-        "`admin`; true: anyone who can reach the gateway may read it.",
-        live=True,
-    )
-    max_connections: int = _f(
-        1024,
-        "Client connections open at once. One more is answered 503 and closed at once; "
-        "the open ones carry on. Each takes a file descriptor: serve raises its soft "
-        "open-files limit to fit, up to the hard limit (the unit's LimitNOFILE).",
-        lo=1,
-        hi=100_000,
-    )
-    header_timeout_s: float = _f(
-        10.0,
-        "A connection must send a complete request head (request line and headers) "
-        "within this of opening, or of the first byte of a later request; else 408 and "
-        "it is closed. Answers are never timed: long streams to slow readers go on. An "
-        "idle keep-alive connection is closed after 75 s.",
-        lo=0,
-        hi=3600,
-        lo_open=True,
-    )
-    body_timeout_s: float = _f(
-        30.0,
-        "A request body must be complete within this of its head; else 408 and the "
-        "connection is closed.",
-        lo=0,
-        hi=3600,
-        lo_open=True,
-    )
 
 
 @dataclass(frozen=True)
