@@ -564,7 +564,7 @@ def test_502_when_every_engine_fails(gw: Gw) -> None:
             r = gw.chat(max_tokens=2, stream=stream)
             err = assert_error(r, 502, "api_error", "engine_error")
             assert "500" in err["message"]
-        r = gw.call("POST", "/v1/embeddings", {"model": gw.model, "input": "x"}, key=gw.user)
+        r = gw.call("POST", "/v1/completions", {"model": gw.model, "prompt": "x"}, key=gw.user)
         assert_error(r, 502, "api_error", "engine_error")
     assert gw.chat(max_tokens=1).status == 200
     assert all(e["state"] == "READY" for e in gw.engines())

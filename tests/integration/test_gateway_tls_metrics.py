@@ -73,8 +73,9 @@ def test_metrics_pass_promtool_and_name_the_contract_series(tmp_path: Path) -> N
     )
     assert check.returncode == 0, check.stdout + check.stderr
     for series in (
-        'appliance_requests_total{route="/v1/completions",status="200"} 2.0',
-        'appliance_requests_total{route="/v1/completions",status="404"} 1.0',
+        f'appliance_requests_total{{model="{MODEL}",route="/v1/completions",status="200"}} 2.0',
+        # an unknown model is no label value: "" until a served model is named
+        'appliance_requests_total{model="",route="/v1/completions",status="404"} 1.0',
         "appliance_request_duration_seconds_bucket",
         "appliance_queue_depth 0.0",
         'appliance_engine_state{engine="0",state="READY"} 1.0',

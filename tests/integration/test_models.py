@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
 
 from tests.fakes.appliance_proc import Appliance, fake_engine_config, get_json, run_appliance
@@ -282,3 +283,15 @@ def test_heat_on_one_models_engine_never_moves_its_work_to_the_other(box: Box) -
         lambda: box.engine_of(CHAT)["throttle_level"] == 0, 10, "chat engine cooled down"
     )
     assert box.chat()[0] == 200
+
+
+def test_the_openai_client_gets_embeddings_by_alias_base64_and_float(box: Box) -> None:
+    c = openai.OpenAI(base_url=box.app.url + "/v1", api_key=box.key, max_retries=0, timeout=10)
+    with c:
+        # The client asks for base64 by default and decodes it; ask for floats too.
+        r = c.embeddings.create(model=EMBED_ALIAS, input=["alpha", "beta"])
+        f = c.embeddings.create(model=EMBED, input="alpha", encoding_format="float")
+    assert r.model == EMBED and [d.index for d in r.data] == [0, 1]
+    assert all(len(d.embedding) == 8 for d in r.data)
+    assert r.data[0].embedding != r.data[1].embedding
+    assert f.data[0].embedding == pytest.approx(r.data[0].embedding, abs=1e-5)
