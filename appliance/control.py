@@ -50,6 +50,15 @@ class EngineStatus:
     model: str = ""  # the served model's name
     gpus: tuple[int, ...] = ()  # all its GPUs (tensor parallel: several); () on CPU
     task: str = "generate"  # "generate" | "embed"
+    # Speculative decoding (None: the engine does not speculate): vLLM's counters as last
+    # read, and over the last minute the share of proposed tokens accepted and the tokens
+    # a step yields per sequence (1 + accepted / drafts).
+    spec_drafts: float | None = None
+    spec_draft_tokens: float | None = None
+    spec_accepted_tokens: float | None = None
+    spec_acceptance_rate: float | None = None
+    spec_mean_accepted_length: float | None = None
+    last_exit: str | None = None  # why its process last exited, in one line (None: never)
 
     @property
     def port(self) -> int | None:

@@ -39,6 +39,7 @@ class EngineProcess:
         self.spec = spec
         self.api_key = ""  # this spawn's engine key (new at every spawn)
         self.output_tail: collections.deque[str] = collections.deque(maxlen=OUTPUT_TAIL_LINES)
+        self._last_exit: str | None = None
         self._proc: asyncio.subprocess.Process | None = None
         self._relay: asyncio.Task[None] | None = None
         self._members: proctree.Members = {}  # its tree, last seen whole
@@ -159,6 +160,7 @@ class EngineProcess:
                 await asyncio.wait_for(asyncio.shield(self._proc.wait()), timeout_s)
 
     def log_exit(self, when: str) -> None:
+        self._last_exit = f"{self.exit_reason()} {when}"
         code = self.returncode or 0
         how = f"signal {signal.Signals(-code).name}" if code < 0 else f"status {code}"
         tail = "\n    ".join(list(self.output_tail)[-10:])
@@ -169,6 +171,11 @@ class EngineProcess:
             when,
             f"; last output:\n    {tail}" if tail else "",
         )
+
+    @property
+    def last_exit(self) -> str | None:
+        """Why it last exited and when (``log_exit``'s line); None until it first does."""
+        return self._last_exit
 
     def exit_reason(self) -> str:
         """One line on why it exited, from its last output: the last line that names an

@@ -105,7 +105,12 @@ class EngineRunner:
 
     def status(self) -> EngineStatus:
         return engine_status(
-            self.spec, self._state, self._process, self._book, self._health.observed
+            self.spec,
+            self._state,
+            self._process,
+            self._book,
+            self._health.observed,
+            self._health.spec_figures(),
         )
 
     async def ask(self, command: Command) -> CommandResult:

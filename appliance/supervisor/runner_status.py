@@ -9,6 +9,7 @@ from __future__ import annotations
 from appliance.control import EngineStatus
 from appliance.engine import EngineSpec, EngineState
 from appliance.health import Observation
+from appliance.policy.speculation import NO_FIGURES, SpecFigures
 from appliance.supervisor.budget import RestartBook
 from appliance.supervisor.commands import ProcessHandle
 
@@ -19,6 +20,7 @@ def engine_status(
     process: ProcessHandle,
     book: RestartBook,
     observed: Observation | None,
+    speculation: SpecFigures = NO_FIGURES,
 ) -> EngineStatus:
     obs = observed
     return EngineStatus(
@@ -40,4 +42,10 @@ def engine_status(
         waiting=obs.waiting if obs else None,
         preemptions_total=obs.preemptions_total if obs else None,
         generation_tokens=obs.generation_tokens if obs else None,
+        spec_drafts=obs.spec_drafts if obs else None,
+        spec_draft_tokens=obs.spec_draft_tokens if obs else None,
+        spec_accepted_tokens=obs.spec_accepted_tokens if obs else None,
+        spec_acceptance_rate=speculation.acceptance_rate,
+        spec_mean_accepted_length=speculation.mean_accepted_length,
+        last_exit=process.last_exit,
     )

@@ -11,6 +11,7 @@ are answered while a check is in flight.
 
 from __future__ import annotations
 
+import collections
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from appliance.config import Config
 from appliance.health import HealthHistory, Observation, Verdict, assess
 from appliance.policy.degradation import Verdict as DegradationVerdict
+from appliance.policy.speculation import SpecFigures, SpecSample, spec_figures
 from appliance.supervisor.commands import Probe, ProcessHandle
 from appliance.supervisor.inbox import Inbox
 from appliance.supervisor.sampling import DegradationWatch
@@ -31,6 +33,12 @@ class Outcome:
     observation: Observation | None = None
     degradation: DegradationVerdict | None = None  # judged only when healthy
     listener_lost: bool = False  # nobody, or someone else, listens where the engine did
+
+
+# "Over the last minute": samples come one per health check (health.interval_s, 2 s by
+# default); enough are kept for a minute at intervals down to 0.25 s.
+SPEC_WINDOW_S = 60.0
+SPEC_SAMPLES = 256
 
 
 class HealthWatch:
@@ -50,6 +58,8 @@ class HealthWatch:
         self.history = HealthHistory()
         self.observed: Observation | None = None  # the last check's figures
         self.degradation = DegradationWatch()
+        # Speculative decoding's counters over the last minutes (none without speculation).
+        self.spec_samples: collections.deque[SpecSample] = collections.deque(maxlen=SPEC_SAMPLES)
 
     def open(self) -> None:
         self._probe.open()
@@ -76,6 +86,17 @@ class HealthWatch:
         await self._inbox.busy(self._process.remember_tree())
         return True
 
+    def _keep_spec_sample(self, obs: Observation) -> None:
+        if obs.spec_drafts is None or obs.spec_draft_tokens is None:
+            return
+        accepted = obs.spec_accepted_tokens or 0.0
+        now = time.monotonic()
+        self.spec_samples.append(SpecSample(now, obs.spec_drafts, obs.spec_draft_tokens, accepted))
+
+    def spec_figures(self) -> SpecFigures:
+        """Acceptance over the last minute (see :mod:`appliance.policy.speculation`)."""
+        return spec_figures(self.spec_samples, time.monotonic(), SPEC_WINDOW_S)
+
     async def check(self, ready_since: float | None) -> Outcome:
         """One health pass of a running engine."""
         if await self._inbox.busy(self._process.listener_is_ours()) is not True:
@@ -84,6 +105,7 @@ class HealthWatch:
         if self._process.returncode is not None:
             return Outcome(None, obs)  # it crashed, it did not hang: the watch sees the exit
         self.observed = obs
+        self._keep_spec_sample(obs)
         config = self._config()
         verdict, self.history = assess(obs, self.history, config.health.failures_to_restart)
         if verdict is not Verdict.HEALTHY:

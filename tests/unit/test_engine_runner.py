@@ -128,6 +128,10 @@ class FakeProcess:
     def exit_reason(self) -> str:
         return "exited with status 1: ValueError: bad argument"
 
+    @property
+    def last_exit(self) -> str | None:
+        return None
+
     async def listener_is_ours(self) -> bool | None:
         return True
 
