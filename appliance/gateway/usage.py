@@ -174,6 +174,7 @@ class UsageBook:
         self.counts = UsageCounts()
         self.dirty = False
         self._task: asyncio.Task[None] | None = None
+        self._children: dict[str, tuple[Any, Any]] = {}
         self.tokens = Counter(
             "appliance_key_tokens",
             "Tokens used per API key id, from the engine's own usage (kind: prompt|completion)",
@@ -186,10 +187,17 @@ class UsageBook:
             return
         self.counts.add(key_id, prompt, completion, time.time() if now is None else now)
         self.dirty = True
+        children = self._children.get(key_id)
+        if children is None:  # labels() per request is a lock and a dict lookup each
+            children = (
+                self.tokens.labels(key_id, "prompt"),
+                self.tokens.labels(key_id, "completion"),
+            )
+            self._children[key_id] = children
         if prompt > 0:
-            self.tokens.labels(key_id, "prompt").inc(prompt)
+            children[0].inc(prompt)
         if completion > 0:
-            self.tokens.labels(key_id, "completion").inc(completion)
+            children[1].inc(completion)
 
     def load(self) -> None:
         """The counts kept by the last run; a corrupt file is renamed aside (logged)."""

@@ -43,29 +43,36 @@ class UsagePlan:
     """What the gateway does about a request's token counts."""
 
     added: bool  # the gateway asked for the stream's usage event: strip it from the client's
-    prompt_estimate: int  # the prompt tokens counted when the engine's usage never comes
+    fields: dict[str, Any]  # the request, for the prompt estimate (only needed on a break)
+    max_prompts: int
     rewrite: bool = False  # the body must be re-serialised (the client sent stream_options)
     preamble: int = 0  # events before the first token: a chat stream's role event
+
+    @property
+    def prompt_estimate(self) -> int:
+        """The prompt tokens counted when the engine's usage never comes (estimated only
+        then: the request path already paid for one estimate, in cost.py)."""
+        return _prompt_estimate(self.fields, self.max_prompts, self.preamble)
 
 
 def plan_usage(route: str, stream: bool, body: dict[str, Any], max_prompts: int) -> UsagePlan:
     """Ask for the stream's usage event when the client did not (``body`` is updated);
     the prompt estimate is kept for a stream that dies before its usage event."""
-    estimate = _prompt_estimate(route, body, max_prompts)
+    estimate = body, max_prompts  # the prompt estimate's inputs, for a stream that breaks
     preamble = 1 if route == "chat" else 0
     if not stream or route not in ROUTES_WITH_STREAM_USAGE:
-        return UsagePlan(False, estimate)
+        return UsagePlan(False, *estimate, preamble=preamble)
     options = body.get("stream_options")
     if isinstance(options, dict) and options.get("include_usage") is True:
-        return UsagePlan(False, estimate, preamble=preamble)  # the client reads it too
+        return UsagePlan(False, *estimate, preamble=preamble)  # the client reads it too
     if isinstance(options, dict):
         # continuous_usage_stats would take effect with include_usage: keep it off.
         body["stream_options"] = {**options, "include_usage": True, "continuous_usage_stats": False}
-        return UsagePlan(True, estimate, rewrite=True, preamble=preamble)
+        return UsagePlan(True, *estimate, rewrite=True, preamble=preamble)
     if options is not None:
-        return UsagePlan(False, estimate, preamble=preamble)  # not an object: vLLM refuses it
+        return UsagePlan(False, *estimate, preamble=preamble)  # not an object: vLLM refuses it
     body["stream_options"] = {"include_usage": True}
-    return UsagePlan(True, estimate, preamble=preamble)
+    return UsagePlan(True, *estimate, preamble=preamble)
 
 
 def insert_stream_usage(raw: bytes) -> bytes | None:
@@ -77,11 +84,11 @@ def insert_stream_usage(raw: bytes) -> bytes | None:
     return raw[: start + 1] + STREAM_USAGE + raw[start + 1 :]
 
 
-def _prompt_estimate(route: str, body: dict[str, Any], max_prompts: int) -> int:
+def _prompt_estimate(body: dict[str, Any], max_prompts: int, chat: int) -> int:
     try:
-        if route == "chat":
+        if chat:
             return chat_prompt_tokens(body["messages"], body.get("tools"))
-        field = "input" if route == "embeddings" else "prompt"
+        field = "prompt" if "prompt" in body else "input"
         return sum(prompt_tokens(body[field], field, max_prompts))
     except Exception:  # already checked by request_cost: never fail a request here
         return 0
@@ -170,9 +177,14 @@ class StreamTap:
     def wire(self, wire: bytes, chunks: int = 0) -> bytes:
         """What of ``wire`` (whole chunks, ``chunks`` of them when the caller counted
         them) goes to the client now."""
-        if self._passes(wire):
+        # The per-token path, inlined (_passes): one call per read from the engine.
+        if (
+            self.held is None
+            and USAGE_MARK not in wire
+            and (not self.strip or FINISH_MARK not in wire)
+        ):
             self.events += chunks or len(scan_chunks(wire)[1])
-            return wire  # the per-token path
+            return wire
         _, payloads, _ = scan_chunks(wire)
         self.events += len(payloads)
         return b"".join(_frame(p) for p in self._events(payloads))

@@ -1,0 +1,275 @@
+"""Tokens per key, as an operator and a client see them (issue 14, item 3).
+
+A daemon with one fake engine (which answers like vLLM 0.32: a usage event only with
+``include_usage``, the ``system_fingerprint`` moving onto it). Checked: a client that did
+not ask for usage gets the engine's stream byte for byte as the engine sends it without
+include_usage; one that asked gets the usage event; streamed and whole answers are counted
+per key id from the engine's own numbers (``keys usage --json``, the metric); the counts
+survive a restart; an engine killed mid-stream still counts the tokens relayed; a corrupt
+usage file is set aside and the daemon starts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import re
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from appliance.gateway.http1 import scan_chunks
+from tests.fakes.appliance_proc import REPO, Appliance, fake_engine_config, run_appliance
+
+pytestmark = pytest.mark.slow
+
+CHAT = "/v1/chat/completions"
+
+
+def start(tmp: Path) -> contextlib.AbstractContextManager[Appliance]:
+    cfg = fake_engine_config(tmp, 1, health={"interval_s": 2.0, "failures_to_restart": 100})
+    return run_appliance(tmp, cfg)
+
+
+def admin_key(tmp: Path) -> str:
+    return (tmp / "admin.key").read_text().strip()
+
+
+def raw_post(
+    app: Appliance, key: str, body: dict[str, Any], version: str = "1.1"
+) -> tuple[int, bytes]:
+    """POST over a raw socket: (status, the body as the client's HTTP library gives it)."""
+    data = json.dumps(body).encode()
+    port = int(app.config["gateway"]["port"])
+    with socket.create_connection(("127.0.0.1", port), timeout=20) as sock:
+        sock.sendall(
+            f"POST {CHAT} HTTP/{version}\r\nHost: x\r\nAuthorization: Bearer {key}\r\n"
+            f"Connection: close\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(data)}\r\n\r\n".encode()
+            + data
+        )
+        got = b""
+        while chunk := sock.recv(65536):
+            got += chunk
+    head, _, rest = got.partition(b"\r\n\r\n")
+    status = int(head.split()[1])
+    if b"transfer-encoding: chunked" in head.lower():
+        _, payloads, _ = scan_chunks(rest)
+        rest = b"".join(payloads)
+    return status, rest
+
+
+def engine_stream(app: Appliance, body: dict[str, Any]) -> bytes:
+    """The same request straight to the engine (its own key), de-chunked."""
+    status = admin_status(app)
+    pid = status["engines"][0]["pid"]
+    key = psutil.Process(pid).environ()["VLLM_API_KEY"]
+    code, raw = app.engine_request(
+        0,
+        "POST",
+        CHAT,
+        json.dumps(body).encode(),
+        {"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
+        timeout=20,
+    )
+    assert code == 200, raw
+    return raw.encode() if isinstance(raw, str) else json.dumps(raw).encode()
+
+
+def admin_status(app: Appliance) -> dict[str, Any]:
+    port = int(app.config["gateway"]["port"])
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    conn.request(
+        "GET",
+        "/admin/status",
+        headers={"Authorization": f"Bearer {admin_key(app.log_path.parent)}"},
+    )
+    doc: dict[str, Any] = json.loads(conn.getresponse().read())
+    conn.close()
+    return doc
+
+
+def metrics(app: Appliance) -> str:
+    port = int(app.config["gateway"]["port"])
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    conn.request(
+        "GET", "/metrics", headers={"Authorization": f"Bearer {admin_key(app.log_path.parent)}"}
+    )
+    text = conn.getresponse().read().decode()
+    conn.close()
+    return text
+
+
+def same_answer(a: bytes) -> bytes:
+    """A stream with its per-request id and timestamp taken out."""
+    return re.sub(rb'"created":\d+', b'"created":0', re.sub(rb"chatcmpl-[0-9a-f]+", b"ID", a))
+
+
+def keys_usage(tmp: Path, *args: str) -> dict[str, Any]:
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "appliance.cli",
+            "keys",
+            "usage",
+            "--config",
+            str(tmp / "config.toml"),
+            "--json",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        check=True,
+    )
+    doc: dict[str, Any] = json.loads(out.stdout)
+    return doc
+
+
+def key_id(tmp: Path) -> str:
+    keys = json.loads((tmp / "keys.json").read_text())
+    records = keys["keys"] if isinstance(keys, dict) else keys
+    return str(records[0]["id"])
+
+
+def chat(model: str, **fields: Any) -> dict[str, Any]:
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": "hi there"}],
+        "max_tokens": 5,
+        **fields,
+    }
+
+
+@pytest.fixture
+def running(tmp_path: Path) -> Iterator[tuple[Appliance, str, str]]:
+    ctx = start(tmp_path)
+    with ctx as app:
+        app.wait_all_ready()
+        app.engine_control(0, token_delay_ms=0)
+        yield app, admin_key(tmp_path), served_model(app)
+
+
+def served_model(app: Appliance) -> str:
+    port = int(app.config["gateway"]["port"])
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    conn.request(
+        "GET", "/v1/models", headers={"Authorization": f"Bearer {admin_key(app.log_path.parent)}"}
+    )
+    name = str(json.loads(conn.getresponse().read())["data"][0]["id"])
+    conn.close()
+    return name
+
+
+@pytest.mark.parametrize("version", ["1.1", "1.0"])
+def test_a_client_that_did_not_ask_gets_the_engines_stream_byte_for_byte(
+    running: tuple[Appliance, str, str], version: str
+) -> None:
+    app, key, model = running
+    body = chat(model, stream=True)
+    status, through = raw_post(app, key, body, version)
+    assert status == 200
+    direct = engine_stream(app, body)
+    assert b'"usage"' not in through
+    assert b'"system_fingerprint"' in through  # back on the finishing event
+    assert same_answer(through) == same_answer(direct)
+
+
+def test_a_client_that_asked_gets_the_usage_event(running: tuple[Appliance, str, str]) -> None:
+    app, key, model = running
+    body = chat(model, stream=True, stream_options={"include_usage": True})
+    status, through = raw_post(app, key, body)
+    assert status == 200
+    assert same_answer(through) == same_answer(engine_stream(app, body))
+    assert b'"choices":[],"usage":{"prompt_tokens"' in through
+
+
+def test_counts_per_key_from_the_engine_survive_a_restart(tmp_path: Path) -> None:
+    ctx = start(tmp_path)
+    with ctx as app:
+        app.wait_all_ready()
+        app.engine_control(0, token_delay_ms=0)
+        key, model = admin_key(tmp_path), served_model(app)
+        raw_post(app, key, chat(model, stream=True))  # 5 tokens, usage stripped
+        raw_post(app, key, chat(model, stream=True, stream_options={"include_usage": True}))
+        status, answer = raw_post(app, key, chat(model))  # not streamed
+        assert status == 200
+        prompt = json.loads(answer)["usage"]["prompt_tokens"]
+        kid = key_id(tmp_path)
+        text = metrics(app)
+        assert f'appliance_key_tokens_total{{key="{kid}",kind="completion"}} 15.0' in text
+        assert f'appliance_key_tokens_total{{key="{kid}",kind="prompt"}} {3.0 * prompt}' in text
+        app.signal(signal.SIGTERM)
+        assert app.wait_exit(30) == 0
+    doc = keys_usage(tmp_path, "--since", "24h")
+    assert doc["keys"] == [
+        {
+            "id": kid,
+            "name": doc["keys"][0]["name"],
+            "prompt_tokens": 3 * prompt,
+            "completion_tokens": 15,
+            "total_tokens": 3 * prompt + 15,
+        }
+    ]
+    ctx2 = start(tmp_path)  # same state directory: the counts go on from there
+    with ctx2 as app:
+        app.wait_all_ready()
+        app.engine_control(0, token_delay_ms=0)
+        raw_post(app, admin_key(tmp_path), chat(served_model(app)))
+        app.signal(signal.SIGTERM)
+        assert app.wait_exit(30) == 0
+    assert keys_usage(tmp_path)["keys"][0]["completion_tokens"] == 20
+
+
+def test_an_engine_killed_mid_stream_counts_what_was_relayed(tmp_path: Path) -> None:
+    ctx = start(tmp_path)
+    with ctx as app:
+        app.wait_all_ready()
+        app.engine_control(0, token_delay_ms=50)
+        key, model = admin_key(tmp_path), served_model(app)
+        body = json.dumps(chat(model, stream=True, max_tokens=1000)).encode()
+        port = int(app.config["gateway"]["port"])
+        sock = socket.create_connection(("127.0.0.1", port), timeout=20)
+        sock.sendall(
+            f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        got = b""
+        while got.count(b"tok") < 5:
+            got += sock.recv(65536)
+        psutil.Process(admin_status(app)["engines"][0]["pid"]).kill()
+        while b"engine_error" not in got:
+            chunk = sock.recv(65536)
+            assert chunk, got
+            got += chunk
+        sock.close()
+        relayed = got.count(b" tok")
+        kid = key_id(tmp_path)
+        app.wait_for(
+            lambda: (
+                f'appliance_key_tokens_total{{key="{kid}",kind="completion"}} {float(relayed)}'
+                in metrics(app)
+            ),
+            10,
+            "the relayed tokens counted",
+        )
+
+
+def test_a_corrupt_usage_file_is_set_aside_and_the_daemon_starts(tmp_path: Path) -> None:
+    (tmp_path / "usage.json").write_text("{ this is not json")
+    ctx = start(tmp_path)
+    with ctx as app:
+        app.wait_all_ready()
+        assert "not a usage file" in app.log()
+        aside = list(tmp_path.glob("usage.json.corrupt-*"))
+        assert len(aside) == 1 and aside[0].read_text() == "{ this is not json"
