@@ -19,6 +19,7 @@ import sys
 import time
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 from appliance.audit import AuditLog, Outcome, audit_path, to_syslog
 from appliance.config import load_config
@@ -101,6 +102,7 @@ def cmd_create(args: argparse.Namespace) -> int:
             tpm=_number(args.tpm),
             priority=args.priority,
             expires_days=_number(args.expires_days),
+            fallback=False if args.no_fallback else None,
         )
     except KeySpecError as exc:
         _audit(store, "key.create", "key", "refused", param=exc.field)
@@ -115,7 +117,8 @@ def cmd_create(args: argparse.Namespace) -> int:
     expires = _when(record.expires_at)
     print(
         f"created key {record.id} ({record.name}; scopes {','.join(sorted(record.scopes))}; "
-        f"expires {expires}) in {store.path}.\nStore it now; it is not shown again.",
+        f"expires {expires}{'' if record.fallback else '; no fallback'}) in {store.path}.\n"
+        "Store it now; it is not shown again.",
         file=sys.stderr,
     )
     return 0
@@ -211,7 +214,7 @@ def cmd_usage(args: argparse.Namespace) -> int:
         pass  # names are a courtesy: the ids are what the file counts by
     start = None if args.since is None else time.time() - args.since
     per_key = counts.since(start) if counts is not None else {}
-    rows = [
+    rows: list[dict[str, Any]] = [
         {
             "id": key_id,
             "name": names.get(key_id),
@@ -224,9 +227,9 @@ def cmd_usage(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"since_seconds": args.since, "file": str(path), "keys": rows}, indent=2))
         return 0
-    table = [USAGE_COLUMNS] + [
+    table: list[tuple[str, ...]] = [USAGE_COLUMNS] + [
         (
-            r["id"],
+            str(r["id"]),
             r["name"] or "(revoked)",
             str(r["prompt_tokens"]),
             str(r["completion_tokens"]),
@@ -283,6 +286,11 @@ def add_parser(
         "--expires-days",
         metavar="N",
         help=f"the key stops working after N days, at most {MAX_EXPIRES_DAYS} (default: never)",
+    )
+    p.add_argument(
+        "--no-fallback",
+        action="store_true",
+        help="this key's requests wait for the model they name, never go to its fallback model",
     )
     p.set_defaults(func=cmd_create)
 

@@ -31,7 +31,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from appliance.fsutil import SAFE_OPEN, FileWriteError, atomic_write
 from appliance.gateway.ratelimit import RateLimiter
-from appliance.gateway.usage_events import Usage
+from appliance.gateway.usage_events import Usage, is_count
 
 if TYPE_CHECKING:
     from appliance.gateway.answers import EngineCall
@@ -132,21 +132,17 @@ class UsageCounts:
         return counts
 
 
-def _is_count(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
-
-
 def _pair(entry: Any, key_id: str) -> list[int]:
     if not isinstance(entry, dict):
         raise UsageFileError(f"key {key_id}: not an object")
     p, c = entry.get("prompt_tokens"), entry.get("completion_tokens")
-    if not (_is_count(p) and _is_count(c)):
+    if not (is_count(p) and is_count(c)):
         raise UsageFileError(f"key {key_id}: token counts are not counts")
     return [p, c]
 
 
 def _counts(v: Any, key_id: str) -> list[int]:
-    if not (isinstance(v, list) and len(v) == 2 and all(_is_count(x) for x in v)):
+    if not (isinstance(v, list) and len(v) == 2 and all(is_count(x) for x in v)):
         raise UsageFileError(f"key {key_id}: an hourly bucket is not [prompt, completion]")
     return [v[0], v[1]]
 

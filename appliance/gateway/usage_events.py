@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 from appliance.gateway.cost import chat_prompt_tokens, prompt_tokens
 from appliance.gateway.http1 import scan_chunks
@@ -106,13 +106,14 @@ def usage_of(obj: Any) -> Usage | None:
     if not isinstance(usage, dict):
         return None
     prompt = usage.get("prompt_tokens")
-    completion = usage.get("completion_tokens", 0)
-    if completion is None:
-        completion = 0  # embeddings may leave it out or null
-    ok = isinstance(prompt, int) and isinstance(completion, int)
-    if not ok or prompt < 0 or completion < 0 or isinstance(prompt, bool):
+    completion = usage.get("completion_tokens") or 0  # embeddings: absent or null
+    if not (is_count(prompt) and is_count(completion)):
         return None
     return Usage(prompt, completion)
+
+
+def is_count(v: Any) -> TypeGuard[int]:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
 def usage_of_answer(body: bytes) -> Usage | None:
