@@ -45,6 +45,14 @@ def toml_value(v: Any) -> str:
     return str(v)
 
 
+def engine_count(config: dict[str, Any]) -> int:
+    """How many CPU engines a test config starts: [engine].cpu_engines, or with
+    [[models]] each model's own cpu_engines (default: [engine]'s)."""
+    default = int(config.get("engine", {}).get("cpu_engines", 1))
+    models = config.get("models") or []
+    return sum(int(m.get("cpu_engines", default)) for m in models) if models else default
+
+
 def write_config(path: Path, sections: dict[str, Any]) -> Path:
     """TOML from ``{section: {key: value}}``; a list of tables (``"models": [{...}]``)
     becomes one ``[[section]]`` block per table."""
@@ -227,7 +235,7 @@ class Appliance:
         one sharing a core with other work can be READY seconds after the first, so a
         test that touches every engine must wait for all of them, not for /readyz alone.
         """
-        n = int(self.config["engine"].get("cpu_engines", 1))
+        n = engine_count(self.config)
 
         def all_ready() -> bool:
             code, body = get_json(self.url + "/readyz")
@@ -270,7 +278,7 @@ class Appliance:
 
     def remember_tree(self) -> set[int]:
         pids = {p.pid for p in self.tree()}
-        for i in range(int(self.config["engine"].get("cpu_engines", 1))):
+        for i in range(engine_count(self.config)):
             stats = self.engine_stats(i)
             if stats and stats.get("child_pid"):
                 pids.add(int(stats["child_pid"]))
@@ -350,6 +358,6 @@ def run_appliance(
                 cmd = " ".join(p.info["cmdline"] or [])
                 if FAKE_ENGINE_PATH in cmd and any(
                     f"--port {app.engine_port(i)}" in cmd or f"--uds {app.engine_socket(i)}" in cmd
-                    for i in range(int(config["engine"].get("cpu_engines", 1)))
+                    for i in range(engine_count(config))
                 ):
                     p.kill()
