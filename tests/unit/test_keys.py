@@ -179,6 +179,7 @@ def test_record_scopes_and_public_dict(store: KeyStore) -> None:
         "priority",
         "created_at",
         "expires_at",
+        "fallback",
     }
     assert both.key_hash not in repr(both)
 
@@ -385,6 +386,7 @@ def test_file_and_directory_modes_and_no_secret_on_disk(store: KeyStore, keys_pa
         "priority",
         "created_at",
         "expires_at",
+        "fallback",
         "key_hash",
     }
 

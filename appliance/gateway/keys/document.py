@@ -18,6 +18,7 @@ from typing import Any
 from appliance.gateway.keys.errors import KeysFileError, KeySpecError
 from appliance.gateway.keys.fields import (
     Priority,
+    validate_fallback,
     validate_key_hash,
     validate_limit,
     validate_name,
@@ -41,6 +42,7 @@ class KeyRecord:
     created_at: float  # Unix time
     expires_at: float | None  # Unix time; None: never
     key_hash: str = field(repr=False)
+    fallback: bool = True  # its requests may go to their model's fallback model
 
     def is_expired(self, now: float | None = None) -> bool:
         now = time.time() if now is None else now
@@ -61,6 +63,7 @@ class KeyRecord:
             "priority": self.priority,
             "created_at": self.created_at,
             "expires_at": self.expires_at,
+            "fallback": self.fallback,
         }
 
     def stored_dict(self) -> dict[str, Any]:
@@ -95,6 +98,8 @@ def _parse_record(item: object, where: str) -> KeyRecord:
                 None if expires_at is None else validate_stored_time("expires_at", expires_at)
             ),
             key_hash=validate_key_hash(key_hash),
+            # absent in files written before the field existed: allowed, as before
+            fallback=validate_fallback(item.get("fallback")),
         )
     except KeySpecError as exc:
         raise ValueError(f"{where}.{exc.field}: {exc.reason}") from None

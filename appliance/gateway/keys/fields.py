@@ -111,6 +111,16 @@ def validate_priority(value: object) -> Priority:
     raise KeySpecError("priority", f"must be one of {', '.join(PRIORITIES)}, got {_show(value)}")
 
 
+def validate_fallback(value: object) -> bool:
+    """Whether the key's requests may go to their model's fallback model (issue 13):
+    true or false; None: true (keys made before the field existed, and the default)."""
+    if value is None:
+        return True
+    if isinstance(value, bool):
+        return value
+    raise KeySpecError("fallback", f"must be true or false, got {_show(value)}")
+
+
 def validate_expires_days(value: object) -> float | None:
     """Days until the key expires: above 0, at most MAX_EXPIRES_DAYS; None: never."""
     if value is None:

@@ -37,6 +37,7 @@ from appliance.gateway.keys.document import KeyRecord, parse_keys_document, rend
 from appliance.gateway.keys.errors import KeysFileError
 from appliance.gateway.keys.fields import (
     validate_expires_days,
+    validate_fallback,
     validate_limit,
     validate_name,
     validate_priority,
@@ -229,6 +230,7 @@ class KeyStore:
         priority: object = "interactive",
         expires_days: object = None,
         now: float | None = None,
+        fallback: object = None,
     ) -> tuple[KeyRecord, str]:
         """A validated new record and its full key, not yet added or saved."""
         rec_name = validate_name(name)
@@ -236,6 +238,7 @@ class KeyStore:
         rec_rpm, rec_tpm = validate_limit("rpm", rpm), validate_limit("tpm", tpm)
         rec_priority = validate_priority(priority)
         days = validate_expires_days(expires_days)
+        rec_fallback = validate_fallback(fallback)
         now = time.time() if now is None else now
         key_id = new_key_id(self._records)
         key = new_key(key_id)
@@ -249,6 +252,7 @@ class KeyStore:
             created_at=round(now, 3),
             expires_at=None if days is None else round(now + days * 86400, 3),
             key_hash=hash_key(key),
+            fallback=rec_fallback,
         )
         return record, key
 
@@ -266,14 +270,18 @@ class KeyStore:
         tpm: object = None,
         priority: object = "interactive",
         expires_days: object = None,
+        fallback: object = None,
     ) -> tuple[KeyRecord, str]:
         """Add a key and save; returns (record, full key ``sk-la-<id>-<secret>``). The full
         key exists only in this return value. KeySpecError for bad arguments (nothing is
         written), KeysFileError when the file cannot be read or written."""
-        self.new_key(name, scopes, rpm, tpm, priority, expires_days)  # validate before locking
+        # validate before locking
+        self.new_key(name, scopes, rpm, tpm, priority, expires_days, fallback=fallback)
         with self.locked():
             self.load()  # another process may have changed it; a corrupt file stops here
-            record, key = self.new_key(name, scopes, rpm, tpm, priority, expires_days)
+            record, key = self.new_key(
+                name, scopes, rpm, tpm, priority, expires_days, fallback=fallback
+            )
             self.add(record)
             self.save()
         return record, key
