@@ -287,6 +287,24 @@ def _engine_lines(doc: dict[str, Any]) -> list[str]:
     return out
 
 
+def _engine_notes(engines: list[dict[str, Any]]) -> list[str]:
+    """After the table, one line per engine that has more to say: speculative decoding's
+    acceptance over the last minute, and why a FAILED engine's process exited."""
+    notes = []
+    for e in engines:
+        rate, length = e.get("spec_acceptance_rate"), e.get("spec_mean_accepted_length")
+        if rate is not None or length is not None:
+            shown_rate = "-" if rate is None else f"{rate:.0%}"
+            shown_len = "-" if length is None else f"{length:.2f}"
+            notes.append(
+                f"engine {e['id']} speculation (last minute): acceptance {shown_rate}, "
+                f"mean accepted length {shown_len}"
+            )
+        if e["state"] == "FAILED" and e.get("last_exit"):
+            notes.append(f"engine {e['id']} FAILED: {e['last_exit']}")
+    return ["", *notes] if notes else []
+
+
 def render_table(doc: dict[str, Any]) -> str:
     head = (
         f"llm-appliance {doc['version']} on {doc['device']}: "
@@ -294,7 +312,7 @@ def render_table(doc: dict[str, Any]) -> str:
         f"{'' if doc['accepting'] else ' (stopping)'}, queue {doc['queue_depth']}, "
         f"up {doc['uptime_s']:.0f} s"
     )
-    out = [head, "", *_engine_lines(doc)]
+    out = [head, "", *_engine_lines(doc), *_engine_notes(doc["engines"])]
     if doc["gpus"]:
         out += ["", "GPU  TEMP  POWER       MEM USED  UTIL  LEVEL  CLOCK EVENTS"]
         for g in doc["gpus"]:

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 COMMAND_WAIT_S = 10.0  # longest an admin request waits for an engine's runner to answer
 _ENGINE_ID_RE = re.compile(r"[0-9]+")  # ASCII only: str.isdigit() takes "²" and "١"
-KEY_FIELDS = frozenset({"name", "scopes", "rpm", "tpm", "priority", "expires_days"})
+KEY_FIELDS = frozenset({"name", "scopes", "rpm", "tpm", "priority", "expires_days", "fallback"})
 
 
 def _engine_json(gw: Gateway, e: EngineStatus, gpu: GpuStatus | None) -> dict[str, Any]:
@@ -58,6 +58,10 @@ def _engine_json(gw: Gateway, e: EngineStatus, gpu: GpuStatus | None) -> dict[st
         "kv_breaker_open": adm.kv_tripped.get(e.id, False),
         "requests_running": e.running,
         "model": e.model or e.served_model_name,
+        # speculative decoding over the last minute (null without speculation)
+        "spec_acceptance_rate": e.spec_acceptance_rate,
+        "spec_mean_accepted_length": e.spec_mean_accepted_length,
+        "last_exit": e.last_exit,  # why its process last exited, one line (null: never)
     }
 
 
@@ -246,6 +250,7 @@ class Admin:
                 body.get("tpm"),
                 body.get("priority", "interactive"),
                 body.get("expires_days"),
+                body.get("fallback"),
             )
         except KeySpecError as exc:
             raise GatewayError(400, str(exc), param=exc.field) from None

@@ -38,7 +38,9 @@ from typing import Protocol
 from appliance.config import Config
 from appliance.engine import EngineState
 from appliance.gateway.errors import GatewayError
+from appliance.gateway.fallback import model_room
 from appliance.gateway.models import candidates
+from appliance.policy.fallback import ModelRoom
 from appliance.policy.routing import EngineLoad, route
 from appliance.policy.thermal import HARD_LEVEL, scale_budget
 
@@ -188,6 +190,32 @@ class Admission:
         (self._batch if batch else self._interactive).append(waiter)
         self.kick()  # room may exist for it: waiters ahead may be waiting for more room
         return await self._wait_in_queue(waiter, g.queue_timeout_s)
+
+    def try_acquire(self, cost: int, session: str | None, model: str) -> int | None:
+        """An engine of ``model`` reserved for this request if one has room at once (and
+        nobody of that model waits), else None: no queueing, no refusal. The fallback's
+        first look (proxy.py); release() it like acquire()'s."""
+        if not self._accepting() or self._queued_for(model):
+            return None
+        return self._route(cost, session, frozenset(), model=model)
+
+    def fits(self, cost: int, model: str) -> bool:
+        """Whether ``model``'s engines could ever take a request of ``cost`` (check_cost
+        without the refusal): a fallback model with a shorter context may not."""
+        e = self._config().engine_of(model)
+        return cost <= max(e.max_inflight_tokens, e.max_model_len)
+
+    def room(self, model: str, cost: int) -> ModelRoom:
+        """``model``'s room for a request of ``cost`` now, as the fallback decision reads
+        it (built from the same snapshot routing uses)."""
+        return model_room(
+            candidates(model, self._engines()),
+            self.loads(model),
+            self.throttle_level,
+            self.kv_tripped,
+            cost,
+            self._queued_for(model),
+        )
 
     def _queued_for(self, model: str | None) -> bool:
         """Someone of ``model`` is waiting (a newcomer must not pass them)."""

@@ -29,6 +29,7 @@ from appliance.errors import ApplianceError
 from appliance.gateway.admin import Admin
 from appliance.gateway.admission import Admission
 from appliance.gateway.errors import GatewayError, error_response
+from appliance.gateway.fallback import FallbackRecorder, add_model_header
 from appliance.gateway.keys import (
     KeysFileError,
     KeyStore,
@@ -82,6 +83,7 @@ class Gateway:
             on_reject=lambda reason: self.metrics.rejections.labels(reason).inc(),
         )
         self.metrics.attach(appliance, self.admission)
+        self.fallbacks = FallbackRecorder(self.metrics.fallbacks)
         # Non-streamed requests' engine connections: one client session per engine address
         # (a Unix socket needs a connector of its own), made on first use.
         self._sessions: dict[EngineAddress, aiohttp.ClientSession] = {}
@@ -341,6 +343,7 @@ def create_app(appliance: Appliance, audit: AuditLog | None = None) -> web.Appli
     r.add_post("/v1/completions", gw.relay.completions)
     r.add_post("/v1/embeddings", gw.relay.embeddings)
     Admin(gw).add_routes(r)
+    app.on_response_prepare.append(add_model_header)
     app.on_startup.append(gw.on_startup)
     app.on_cleanup.append(gw.on_cleanup)
     return app

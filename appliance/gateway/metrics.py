@@ -81,6 +81,13 @@ class GatewayMetrics:
             "Requests retried on another engine before the first byte",
             registry=r,
         )
+        self.fallbacks = Counter(
+            "appliance_fallbacks",
+            "Requests sent to their model's fallback model, by model asked for, model that "
+            "served and why the first could not admit them (down, heat, kv, full)",
+            ["from", "to", "reason"],
+            registry=r,
+        )
 
     def first_byte(self, route: str, model: str, started: float) -> None:
         """The first byte of an answer left for the client (``started``: monotonic)."""
@@ -121,6 +128,26 @@ _OBSERVED: tuple[tuple[type[GaugeMetricFamily | CounterMetricFamily], str, str, 
         "appliance_engine_generation_tokens",
         "vLLM generated tokens (since the engine's start)",
         "generation_tokens",
+    ),
+    # Speculative decoding (vLLM's own counters, so an engine restart resets them:
+    # rate() and increase() handle the reset). Only engines that speculate report them.
+    (
+        CounterMetricFamily,
+        "appliance_engine_spec_drafts",
+        "vLLM speculative drafts proposed (since the engine's start)",
+        "spec_drafts",
+    ),
+    (
+        CounterMetricFamily,
+        "appliance_engine_spec_draft_tokens",
+        "vLLM speculative draft tokens proposed (since the engine's start)",
+        "spec_draft_tokens",
+    ),
+    (
+        CounterMetricFamily,
+        "appliance_engine_spec_accepted_tokens",
+        "vLLM speculative draft tokens accepted (since the engine's start)",
+        "spec_accepted_tokens",
     ),
 )
 # Each GPU's sensors: (name, help, GpuReading field).

@@ -44,10 +44,12 @@ from aiohttp.http import HttpVersion11
 from appliance.gateway.answers import EngineCall
 from appliance.gateway.errors import GatewayError
 from appliance.gateway.failures import Attempt, EngineFailure, engine_error
+from appliance.gateway.fallback import REFUSE_HEADER, SERVED_BY, fallback_allowed
 from appliance.gateway.models import model_list, resolve
 from appliance.gateway.request_body import ParsedRequest, finish_body, open_body, read_body
 from appliance.gateway.via_client import relay_via_client
 from appliance.gateway.via_splice import relay_via_splice
+from appliance.policy.fallback import choose_fallback
 
 if TYPE_CHECKING:
     from appliance.gateway.app import Gateway
@@ -106,23 +108,79 @@ class Relay:
     async def _handle(self, request: web.Request, route: str, path: str) -> web.StreamResponse:
         started = time.monotonic()
         record = request["key"]
-        parsed = await self._parse(request, route)
+        parsed, fallback = await self._parse(request, route)
         # before tpm: never charge what cannot run
         self.gw.admission.check_cost(parsed.cost, parsed.model)
         self._check_rate(record, parsed.cost)
         batch = record.priority == "batch"
+        if fallback and fallback_allowed(request.headers.get(REFUSE_HEADER), record.fallback):
+            return await self._relay_with_failover(request, path, parsed, started, batch, fallback)
         return await self._relay_with_failover(request, path, parsed, started, batch)
 
-    async def _parse(self, request: web.Request, route: str) -> ParsedRequest:
+    async def _parse(self, request: web.Request, route: str) -> tuple[ParsedRequest, str]:
         """The checked request, costed on the engines of the model it names (404 for no
-        such model, 400 for a route the model does not serve)."""
+        such model, 400 for a route the model does not serve), and that model's fallback
+        ("": none)."""
         raw = await read_body(request)
         opened = open_body(route, raw)
         config = self.gw.appliance.config
-        name = resolve(config, opened.model, route).name
+        served = resolve(config, opened.model, route)
+        name = served.name
         request["model"] = name  # the metrics' label: a configured name, never the client's
         max_model_len = config.engine_of(name).max_model_len
-        return finish_body(route, opened, request.headers, config.gateway, max_model_len, name)
+        parsed = finish_body(route, opened, request.headers, config.gateway, max_model_len, name)
+        return parsed, served.fallback
+
+    async def _parse_for(
+        self, request: web.Request, route: str, model: str
+    ) -> ParsedRequest | None:
+        """The request as ``model`` (the fallback) would be sent it: its name in the body,
+        costed on its context; None when its engines could never take it. Parsed afresh
+        from the client's bytes (aiohttp keeps them), so nothing of the first model's
+        parse (its max_tokens cap, its usage plan) carries over."""
+        config = self.gw.appliance.config
+        opened = open_body(route, await read_body(request))
+        parsed = finish_body(
+            route,
+            opened,
+            request.headers,
+            config.gateway,
+            config.engine_of(model).max_model_len,
+            model,
+        )
+        return parsed if self.gw.admission.fits(parsed.cost, model) else None
+
+    async def _admit_or_fall_back(
+        self, request: web.Request, parsed: ParsedRequest, fallback: str
+    ) -> tuple[int, ParsedRequest] | None:
+        """An engine of the model named when one has room at once; else one of its
+        fallback model's, with the request as that model is sent it, when policy says so
+        (:func:`appliance.policy.fallback.choose_fallback`); None: queue for the model
+        named as usual. One hop: the fallback's own fallback is never looked at."""
+        gw = self.gw
+        adm = gw.admission
+        own = adm.try_acquire(parsed.cost, parsed.session, parsed.model)
+        if own is not None:
+            gw.fallbacks.served_own(parsed.model)
+            return own, parsed
+        target = gw.appliance.config.model(fallback)  # config checked: it exists
+        if target is None:
+            return None
+        other = await self._parse_for(request, parsed.route, target.name)
+        if other is None:
+            return None
+        reason = choose_fallback(
+            adm.room(parsed.model, parsed.cost), adm.room(target.name, other.cost), allowed=True
+        )
+        if reason is None:
+            return None
+        engine_id = adm.try_acquire(other.cost, other.session, target.name)
+        if engine_id is None:
+            return None
+        gw.fallbacks.fell_back(parsed.model, target.name, reason)
+        request["model"] = target.name  # the model that served it, in the metrics
+        request[SERVED_BY] = target.name  # X-Appliance-Model on the answer (app.py)
+        return engine_id, other
 
     def _check_rate(self, record: Any, cost: int) -> None:
         """429 when the caller's key is past its rpm or tpm."""
@@ -148,16 +206,29 @@ class Relay:
         parsed: ParsedRequest,
         started: float,
         batch: bool,
+        fallback: str = "",
     ) -> web.StreamResponse:
         """Relay on the engine admission picks among the model's; one that fails before
-        its first byte is retried once on another of the model's, if there is another."""
+        its first byte is retried once on another of the model's, if there is another.
+        With a ``fallback`` (allowed for this request) the first engine may be the
+        fallback model's, and the retry stays among that model's engines."""
         gw = self.gw
         tried: frozenset[int] = frozenset()
         for attempt in (1, 2):
             queued = time.monotonic()
-            engine_id = await gw.admission.acquire(
-                parsed.cost, batch=batch, session=parsed.session, exclude=tried, model=parsed.model
-            )
+            first = None
+            if attempt == 1 and fallback:
+                first = await self._admit_or_fall_back(request, parsed, fallback)
+            if first is not None:
+                engine_id, parsed = first
+            else:
+                engine_id = await gw.admission.acquire(
+                    parsed.cost,
+                    batch=batch,
+                    session=parsed.session,
+                    exclude=tried,
+                    model=parsed.model,
+                )
             gw.metrics.queue_wait.observe(time.monotonic() - queued)
             try:
                 result = await self._relay(request, engine_id, path, parsed, started)

@@ -14,6 +14,9 @@ names and labels), ``/v1/models``, ``/v1/chat/completions``, ``/v1/completions``
 ``AuthenticationMiddleware``, and cancellation when a client disconnects.
 
 Generated tokens are the words " tok0", " tok1", ... one every ``--token-delay-ms``.
+With ``--fake-spec-decode`` it also exports vLLM's speculative decoding counters
+(``vllm:spec_decode_num_{drafts,draft_tokens,accepted_tokens}_total``), each generated
+token counting one draft of 4 tokens, 3 accepted.
 
 Fault injection, from the command line and at run time (``POST /fake/control`` with
 a JSON object, loopback only, no auth; ``GET /fake/stats`` for counters):
@@ -57,6 +60,8 @@ COMPACT = (",", ":")  # vLLM (pydantic) writes its events without spaces
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0)
 FINISH_REASONS = ("stop", "length", "abort", "error")
+SPEC_DRAFT_TOKENS = 4  # --fake-spec-decode: per generated token, one draft of 4 tokens,
+SPEC_ACCEPTED_TOKENS = 3  # 3 of them accepted (acceptance rate 0.75)
 CONTROL_KEYS = {
     "hang",
     "health_status",
@@ -105,6 +110,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--kv-cache-usage", type=float, default=None)
     p.add_argument("--preemptions-per-request", type=int, default=0)
     p.add_argument("--fail-requests", action="store_true")
+    # Speculative decoding as vLLM reports it: each generated token counts one draft of
+    # SPEC_DRAFT_TOKENS tokens of which SPEC_ACCEPTED_TOKENS were accepted.
+    p.add_argument("--fake-spec-decode", action="store_true")
     p.add_argument("--shutdown-timeout", type=float, default=5.0)
     return p.parse_known_args(argv)
 
@@ -260,6 +268,7 @@ class FakeEngine:
         self.preemptions = 0
         self.prompt_tokens = 0
         self.generation_tokens = 0
+        self.spec_drafts = 0
         self.success = dict.fromkeys(FINISH_REASONS, 0)
         self.ttft = Histogram(TTFT_BUCKETS)
         self.e2e = Histogram(E2E_BUCKETS)
@@ -465,6 +474,21 @@ class FakeEngine:
             "Number of generation tokens processed.",
             self.generation_tokens,
         )
+        if self.args.fake_spec_decode:
+            for name, help_, per_draft in (
+                ("vllm:spec_decode_num_drafts_total", "Number of spec decoding drafts.", 1),
+                (
+                    "vllm:spec_decode_num_draft_tokens_total",
+                    "Number of draft tokens.",
+                    SPEC_DRAFT_TOKENS,
+                ),
+                (
+                    "vllm:spec_decode_num_accepted_tokens_total",
+                    "Number of accepted tokens.",
+                    SPEC_ACCEPTED_TOKENS,
+                ),
+            ):
+                simple(name, "counter", help_, self.spec_drafts * per_draft)
         metric(
             "vllm:request_success_total",
             "counter",
@@ -734,6 +758,7 @@ class FakeEngine:
                         )
                 produced = t + 1
                 self.generation_tokens += n
+                self.spec_drafts += n
                 if resp is not None:
                     await resp.write(chunk([piece(i, f" tok{t}", None) for i in range(n)]))
         except asyncio.CancelledError:
