@@ -245,6 +245,8 @@ def test_every_panel_and_alert_query_works_on_a_real_prometheus(tmp_path: Path) 
         # long enough a STARTING for a 1 s scrape to see the restart
         "--startup-delay",
         "1.5",
+        # vLLM's speculative decoding counters, for the acceptance panel
+        "--fake-spec-decode",
         telemetry={"source": f"file:{sensors}", "interval_s": 0.2},
     )
     with run_appliance(tmp_path, cfg) as app:
