@@ -93,7 +93,7 @@ async def embed_request(session: aiohttp.ClientSession, base_url: str, key: str)
         async with session.post(base_url + "/v1/embeddings", data=body(), headers=headers) as r:
             data = await r.read()
             now = time.monotonic()
-            ok = r.status == 200 and data.count(b'"embedding"') == len(SENTENCES)
+            ok = r.status == 200 and len(json.loads(data).get("data", [])) == len(SENTENCES)
             err = "" if ok else f"{r.status} {data[:120]!r}"
             return Result(ok, t0, now - t0, now - t0, 0, False, r.status, err)
     except (aiohttp.ClientError, TimeoutError, OSError) as exc:
