@@ -411,3 +411,30 @@ def test_exit_reason_names_what_the_engine_said(output: list[str], code: int, ex
 
     proc._proc = Exited()  # type: ignore[assignment]
     assert proc.exit_reason() == expect
+
+
+async def test_a_tensor_parallel_engine_waits_for_the_memory_of_all_its_gpus() -> None:
+    from appliance.endpoint import EngineAddress
+    from appliance.engine import EngineSpec
+    from appliance.supervisor.process import EngineProcess
+    from appliance.telemetry import GpuReading
+
+    gib = 1 << 30
+    spec = EngineSpec(
+        id=0, gpu=0, address=EngineAddress(uds="/x.sock"), argv=(), tag="t", gpus=(0, 1)
+    )
+    proc = EngineProcess(spec)
+    reads = 0
+
+    def readings() -> list[GpuReading | None]:
+        nonlocal reads
+        reads += 1
+        # GPU 0 is free at once; GPU 1 (the second GPU) still holds memory twice.
+        busy = 23 * gib if reads <= 2 else 0
+        return [
+            GpuReading(0, memory_used_bytes=0, memory_total_bytes=24 * gib),
+            GpuReading(1, memory_used_bytes=busy, memory_total_bytes=24 * gib),
+        ]
+
+    await asyncio.wait_for(proc.wait_resources_free(readings, lambda: False, 0.01), 5)
+    assert reads == 3

@@ -6,7 +6,10 @@ import asyncio
 import dataclasses
 
 from appliance.config import Config
-from appliance.control import GatewayLink
+from appliance.control import EngineStatus, GatewayLink
+from appliance.endpoint import EngineAddress
+from appliance.engine import EngineState
+from appliance.policy.thermal import HARD_LEVEL
 from appliance.supervisor.heat import HeatWatch
 from appliance.telemetry import GpuReading
 
@@ -52,3 +55,49 @@ async def test_a_reload_shortening_the_interval_applies_at_once() -> None:
     stop = True
     heat.nudge()
     await asyncio.wait_for(task, 2)
+
+
+class TensorParallelRunner:
+    """What the heat loop reads of a runner: one engine over GPUs 0 and 1."""
+
+    id = 0
+    heat_reduced = False
+
+    def __init__(self) -> None:
+        self.told: list[object] = []
+
+    def status(self) -> EngineStatus:
+        return EngineStatus(
+            id=0,
+            gpu=0,
+            address=EngineAddress(uds="/run/x/engine0.sock"),
+            state=EngineState.READY,
+            api_key="k",
+            gpus=(0, 1),
+        )
+
+    def tell(self, command: object) -> None:
+        self.told.append(command)
+
+
+class ThrottleLink:
+    def __init__(self) -> None:
+        self.levels: dict[int, int] = {}
+
+    def set_throttle(self, engine_id: int, level: int) -> None:
+        self.levels[engine_id] = level
+
+
+def test_a_tensor_parallel_engine_is_as_hot_as_its_hottest_gpu() -> None:
+    config = Config()
+    heat = HeatWatch(CountingSource.__new__(CountingSource), lambda: config)
+    # GPU 0 cool, GPU 1 (the engine's second) at the hard limit.
+    heat.readings = {0: GpuReading(0, temperature_c=50.0), 1: GpuReading(1, temperature_c=95.0)}
+    link = ThrottleLink()
+    runner = TensorParallelRunner()
+    heat.govern([runner], link, now=0.0)  # type: ignore[list-item, arg-type]
+    assert link.levels == {0: HARD_LEVEL}
+    heat.readings = {0: GpuReading(0, temperature_c=95.0), 1: GpuReading(1, temperature_c=50.0)}
+    heat.govern([runner], link, now=1.0)  # type: ignore[list-item, arg-type]
+    # Now GPU 0 is the hot one: the engine is still at the hard limit.
+    assert link.levels == {0: HARD_LEVEL}
