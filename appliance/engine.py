@@ -246,16 +246,7 @@ def build_argv(
     """
     e = served.engine
     if e.command:
-        values = {
-            "python": python,
-            "model": model,
-            "uds": address.uds or "",
-            "port": "" if address.port is None else str(address.port),
-            "gpu": ",".join(map(str, gpus)),
-            "api_key": API_KEY_SLOT,
-            "served_model_name": served.name,
-        }
-        return tuple(arg.format(**values) for arg in e.command)
+        return _custom_command(served, python, model, address, gpus)
     # vLLM ignores --host/--port when --uds is given. The key goes in the environment
     # (VLLM_API_KEY), not here: any local user can read a command line.
     listen = (
@@ -279,26 +270,50 @@ def build_argv(
         # One access-log line per request would drown the journal at LLM request rates;
         # the gateway counts requests in its metrics instead.
         "--disable-uvicorn-access-log",
+        *_model_args(served, speculative_json),
+        *_device_args(e, on_gpu, cpu_flags),
+        *e.extra_args,
     ]
-    if served.task == "embed":
-        argv += ["--runner", "pooling"]  # vLLM 0.32: serves /v1/embeddings, not chat
-    if served.tensor_parallel_size > 1:
-        argv += ["--tensor-parallel-size", str(served.tensor_parallel_size)]
-    if speculative_json:
-        argv += ["--speculative-config", speculative_json]
-    if on_gpu:
-        argv += ["--gpu-memory-utilization", f"{e.gpu_memory_utilization:g}"]
-    else:
-        # CPU: the dtype the processor computes natively (an explicit one in extra_args
-        # wins: argparse would take the last, but one --dtype reads better in `ps`); eager
-        # mode starts in ~35 s instead of ~2 min of torch.compile that is not cached
-        # between starts on these machines.
-        dtype = choose_cpu_dtype(cpu_flags, e.extra_args)
-        if not dtype.explicit:
-            argv += ["--dtype", dtype.dtype]
-        argv.append("--enforce-eager")
-    argv += list(e.extra_args)
     return tuple(argv)
+
+
+def _custom_command(
+    served: ServedModel, python: str, model: str, address: EngineAddress, gpus: Sequence[int]
+) -> tuple[str, ...]:
+    """The model's `command`, its placeholders filled in (the key stays a slot)."""
+    values = {
+        "python": python,
+        "model": model,
+        "uds": address.uds or "",
+        "port": "" if address.port is None else str(address.port),
+        "gpu": ",".join(map(str, gpus)),
+        "api_key": API_KEY_SLOT,
+        "served_model_name": served.name,
+    }
+    return tuple(arg.format(**values) for arg in served.engine.command)
+
+
+def _model_args(served: ServedModel, speculative_json: str) -> list[str]:
+    """What the model's own keys add: its runner, tensor parallelism, speculation."""
+    args = []
+    if served.task == "embed":
+        args += ["--runner", "pooling"]  # vLLM 0.32: serves /v1/embeddings, not chat
+    if served.tensor_parallel_size > 1:
+        args += ["--tensor-parallel-size", str(served.tensor_parallel_size)]
+    if speculative_json:
+        args += ["--speculative-config", speculative_json]
+    return args
+
+
+def _device_args(e: EngineConfig, on_gpu: bool, cpu_flags: Collection[str]) -> list[str]:
+    if on_gpu:
+        return ["--gpu-memory-utilization", f"{e.gpu_memory_utilization:g}"]
+    # CPU: the dtype the processor computes natively (an explicit one in extra_args
+    # wins: argparse would take the last, but one --dtype reads better in `ps`); eager
+    # mode starts in ~35 s instead of ~2 min of torch.compile that is not cached
+    # between starts on these machines.
+    dtype = choose_cpu_dtype(cpu_flags, e.extra_args)
+    return [*([] if dtype.explicit else ["--dtype", dtype.dtype]), "--enforce-eager"]
 
 
 def build_env(

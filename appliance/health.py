@@ -163,45 +163,76 @@ async def observe(
     requests routed to it wait. Only the 1-token probe gets all of ``timeout_s``.
     """
     detail: list[str] = []
-    probe_ok = False
     quick = aiohttp.ClientTimeout(total=min(timeout_s, STATUS_TIMEOUT_S))
-    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    health_ok, sums = await asyncio.gather(
+        _health_ok(session, base_url, quick, detail),
+        _engine_metrics(session, base_url, timeout_s, detail),
+    )
+    probe_ok = health_ok and await _probe(
+        session, base_url, api_key, model, task, timeout_s, detail
+    )
+    return _observation(health_ok, probe_ok, sums, task, detail)
 
-    async def health() -> bool:
-        try:
-            async with session.get(f"{base_url}/health", timeout=quick) as resp:
-                if resp.status != 200:
-                    detail.append(f"/health answered {resp.status}")
-                return resp.status == 200
-        except (TimeoutError, aiohttp.ClientError) as exc:
-            detail.append(f"/health: {type(exc).__name__}")
-            return False
 
-    async def metrics() -> dict[str, float]:
-        try:
-            return await read_metrics(session, base_url, timeout_s, ENGINE_METRICS)
-        except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
-            detail.append(f"/metrics: {type(exc).__name__}")
-            return {}
+async def _health_ok(
+    session: aiohttp.ClientSession,
+    base_url: str,
+    bound: aiohttp.ClientTimeout,
+    detail: list[str],
+) -> bool:
+    try:
+        async with session.get(f"{base_url}/health", timeout=bound) as resp:
+            if resp.status != 200:
+                detail.append(f"/health answered {resp.status}")
+            return resp.status == 200
+    except (TimeoutError, aiohttp.ClientError) as exc:
+        detail.append(f"/health: {type(exc).__name__}")
+        return False
 
-    health_ok, sums = await asyncio.gather(health(), metrics())
-    if health_ok:
-        started = time.monotonic()
-        try:
-            route, body = _probe_request(task, model)
-            async with session.post(
-                f"{base_url}{route}",
-                json=body,
-                timeout=timeout,
-                headers={"Authorization": f"Bearer {api_key}"},
-            ) as resp:
-                data = await resp.json(content_type=None)
-                probe_ok = resp.status == 200 and bool(data.get(_PROBE_ANSWER[route]))
-                if not probe_ok:
-                    detail.append(f"probe answered {resp.status}")
-        except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
-            waited = time.monotonic() - started
-            detail.append(f"probe: {type(exc).__name__} after {waited:.1f} s")
+
+async def _engine_metrics(
+    session: aiohttp.ClientSession, base_url: str, timeout_s: float, detail: list[str]
+) -> dict[str, float]:
+    try:
+        return await read_metrics(session, base_url, timeout_s, ENGINE_METRICS)
+    except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
+        detail.append(f"/metrics: {type(exc).__name__}")
+        return {}
+
+
+async def _probe(
+    session: aiohttp.ClientSession,
+    base_url: str,
+    api_key: str,
+    model: str,
+    task: str,
+    timeout_s: float,
+    detail: list[str],
+) -> bool:
+    """The smallest real piece of work on the model's route; True when it came back."""
+    started = time.monotonic()
+    route, body = _probe_request(task, model)
+    try:
+        async with session.post(
+            f"{base_url}{route}",
+            json=body,
+            timeout=aiohttp.ClientTimeout(total=timeout_s),
+            headers={"Authorization": f"Bearer {api_key}"},
+        ) as resp:
+            data = await resp.json(content_type=None)
+            ok = resp.status == 200 and bool(data.get(_PROBE_ANSWER[route]))
+            if not ok:
+                detail.append(f"probe answered {resp.status}")
+            return ok
+    except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
+        waited = time.monotonic() - started
+        detail.append(f"probe: {type(exc).__name__} after {waited:.1f} s")
+        return False
+
+
+def _observation(
+    health_ok: bool, probe_ok: bool, sums: dict[str, float], task: str, detail: list[str]
+) -> Observation:
     # The progress counter the hang and slowdown rules watch: tokens generated, or for a
     # pooling (embed) model, which generates none, the prompt tokens it has embedded.
     progress = "vllm:prompt_tokens_total" if task == "embed" else "vllm:generation_tokens_total"

@@ -192,32 +192,14 @@ def plan_engines(
     dtype; ``preload`` (None: what :func:`cpu_preload_libs` finds) goes in its LD_PRELOAD.
     """
     device = _device(config, gpu_count)
-    groups: list[tuple[ServedModel, tuple[int, ...]]]
-    if device == "cuda":
-        groups = _gpu_groups(config, gpu_count)
-        binds: list[str | None] = [None] * len(groups)
-        core_sets: list[tuple[int, ...]] = [()] * len(groups)
-    else:
-        groups = [(m, ()) for m in config.served for _ in range(m.cpu_engines)]
-        # The cores are split between all engines of all models, each pinned as before.
-        core_sets = cpu_core_sets(cores, len(groups))
-        binds = [omp_bind(s) for s in core_sets]
+    groups, binds, core_sets = _engine_slots(config, device, gpu_count, cores)
     python = resolve_python(config, home)
-    model_paths = {
-        m.name: resolve_model(
-            m,
-            home,
-            check=not m.engine.command or _uses(m.engine, "model"),
-            key=f'models[{i}] ("{m.name}").model' if config.models else "engine.model",
-        )
-        for i, m in enumerate(config.served)
-    }
-    e = config.engine
-    on_cpu_vllm = device == "cpu" and not e.command  # our vLLM command line, on CPU
-    cpu_dtype: CpuDtype | None = None
+    model_paths = _model_paths(config, home)
     flags: Collection[str] = ()
+    cpu_dtype: CpuDtype | None = None
     libs: tuple[str, ...] = ()
-    if on_cpu_vllm:
+    e = config.engine
+    if device == "cpu" and not e.command:  # our vLLM command line, on CPU
         flags = read_cpu_flags() if cpu_flags is None else cpu_flags
         cpu_dtype = choose_cpu_dtype(flags, e.extra_args)
         libs = tuple(cpu_preload_libs(python) if preload is None else preload)
@@ -241,6 +223,34 @@ def plan_engines(
         libs,
         model_paths,
     )
+
+
+def _engine_slots(
+    config: Config, device: str, gpu_count: int, cores: Sequence[int]
+) -> tuple[list[tuple[ServedModel, tuple[int, ...]]], list[str | None], list[tuple[int, ...]]]:
+    """Per engine: (its model, its GPUs), its OMP binding and its pinned cores."""
+    if device == "cuda":
+        groups = _gpu_groups(config, gpu_count)
+        return groups, [None] * len(groups), [()] * len(groups)
+    no_gpus: tuple[int, ...] = ()
+    cpu_groups = [(m, no_gpus) for m in config.served for _ in range(m.cpu_engines)]
+    # The cores are split between all engines of all models, each pinned as before.
+    core_sets = cpu_core_sets(cores, len(cpu_groups))
+    binds: list[str | None] = [omp_bind(s) for s in core_sets]
+    return cpu_groups, binds, core_sets
+
+
+def _model_paths(config: Config, home: Path) -> dict[str, str]:
+    """Each model's name -> the path or id its engines load (checked where used)."""
+    return {
+        m.name: resolve_model(
+            m,
+            home,
+            check=not m.engine.command or _uses(m.engine, "model"),
+            key=f'models[{i}] ("{m.name}").model' if config.models else "engine.model",
+        )
+        for i, m in enumerate(config.served)
+    }
 
 
 @dataclass(frozen=True)
