@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry, Counter
 
+from appliance import cli
 from appliance.config import Config, parse_config
 from appliance.control import EngineStatus
 from appliance.endpoint import EngineAddress
@@ -272,3 +273,16 @@ def test_status_shows_speculation_and_why_a_failed_engine_exited() -> None:
     assert "engine 0 speculation (last minute): acceptance 62%, mean accepted length 3.50" in lines
     assert "engine 2 FAILED: ValueError: unknown speculative method 'nram'" in lines
     assert not any(line.startswith("engine 1 ") for line in lines)  # READY: no exit line
+
+
+def test_keys_create_no_fallback_makes_a_key_that_never_falls_back(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    keys = tmp_path / "keys.json"
+    config = tmp_path / "config.toml"
+    config.write_text(f'[gateway]\nkeys_file = "{keys}"\n')
+    argv = ["keys", "create", "--config", str(config), "--name"]
+    assert cli.main([*argv, "strict", "--no-fallback"]) == 0
+    assert "no fallback" in capsys.readouterr().err
+    assert cli.main([*argv, "usual"]) == 0
+    assert {r.name: r.fallback for r in loaded(keys)} == {"strict": False, "usual": True}
