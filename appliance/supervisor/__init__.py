@@ -2,6 +2,7 @@
 
 =================  =========================================================================
 ``core``           :class:`Supervisor`: main loop, signals, stop, reload; the gateway's view
+``stopping``       the stop's steps that need none of its flags: drain wait, release
 ``runner``         :class:`EngineRunner`: one engine's life; the only writer of its state
 ``inbox``          a runner's commands, answered from its own task at every await
 ``commands``       the commands, and the runner's seams (host, process, probe)

@@ -15,7 +15,8 @@ Signal handlers only put the signal on a queue; the main loop calls one small me
 per signal, so nothing complicated ever runs inside a handler. Each engine's runner is
 the only code that moves that engine's state: the supervisor reads the runners' states
 and tells them things (a nudge after a reload, or at stop), and never sets one.
-A reload's reading and merging is in reloading.py; the tasks' start and end in tasks.py.
+A reload's reading and merging is in reloading.py; the tasks' start and end in tasks.py;
+the stop's steps that need none of its flags (drain wait, release) in stopping.py.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from appliance.control import (
 from appliance.engine import EngineState
 from appliance.errors import EXIT_NO_ENGINE, EXIT_OK
 from appliance.plan import EnginePlan
+from appliance.supervisor import stopping
 from appliance.supervisor.boot import SocketDir, gpu_count, make_plan, open_telemetry
 from appliance.supervisor.commands import Drain, Nudge, Restart, Resume
 from appliance.supervisor.coordination import RestartCoordinator
@@ -61,7 +63,6 @@ log = logging.getLogger("appliance.supervisor")
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 TICK_S = 0.5
-STOP_POLL_S = 0.1
 
 
 class Supervisor:
@@ -183,12 +184,7 @@ class Supervisor:
             await self._shutdown_tasks()
             if http is not None:
                 await http.close()
-            for r in self._runners:
-                await r.close()
-            self._sockets.remove([r.spec for r in self._runners])
-            if self._heat is not None:
-                self._heat.source.close()
-            self._reporter.notifier.close()
+            await stopping.release(self._runners, self._sockets, self._heat, self._reporter)
         return self._exit_code
 
     def _prepare(self) -> HeatWatch:
@@ -208,14 +204,11 @@ class Supervisor:
         return self._heat
 
     # ---- main loop and signals ------------------------------------------------------
-    def _tick_interval(self) -> float:
-        wd = self._reporter.notifier.watchdog_interval_s
-        return min(TICK_S, wd) if wd else TICK_S
-
     async def _main_loop(self) -> None:
+        tick_s = self._reporter.tick_interval(TICK_S)
         while True:
             try:
-                sig = await asyncio.wait_for(self._signals.get(), self._tick_interval())
+                sig = await asyncio.wait_for(self._signals.get(), tick_s)
             except TimeoutError:
                 sig = None
             if sig is not None:
@@ -223,13 +216,8 @@ class Supervisor:
             now = time.monotonic()
             self.last_tick = now
             states = [r.state for r in self._runners]
-            self._reporter.tick(
-                now,
-                states,
-                self.accepting,
-                self.status_line(),
-                stopping=self._stop_task is not None,
-            )
+            begun = self._stop_task is not None
+            self._reporter.tick(now, states, self.accepting, self.status_line(), stopping=begun)
             # Belt and braces for admission: waiters normally get slots on release or
             # state change; a tick-driven kick bounds any missed wake-up to one tick.
             self._link.engines_changed()
@@ -237,12 +225,7 @@ class Supervisor:
                 with contextlib.suppress(asyncio.CancelledError):
                     self._stop_task.result()
                 return
-            if self._stop_task is None and states and all(s is EngineState.FAILED for s in states):
-                log.error(
-                    "no engine could be started (all %d FAILED); exiting with status %d",
-                    len(states),
-                    EXIT_NO_ENGINE,
-                )
+            if self._stop_task is None and stopping.none_started(states):
                 self._exit_code = EXIT_NO_ENGINE
                 self._begin_stop(fast=False)
 
@@ -282,11 +265,8 @@ class Supervisor:
 
     async def _stop(self) -> None:
         """Let in-flight work finish (up to restart.drain_timeout_s), then stop engines."""
-        deadline = time.monotonic() + self.config.restart.drain_timeout_s
-        while not self._fast_stop and time.monotonic() < deadline:
-            if sum(self._link.inflight(r.id) for r in self._runners) == 0:
-                break
-            await asyncio.sleep(STOP_POLL_S)
+        drain_s = self.config.restart.drain_timeout_s
+        await stopping.drain(self._link, self._runners, drain_s, lambda: self._fast_stop)
         self._stop_runners()
         await self._tasks.runners_done()
 
@@ -313,6 +293,6 @@ class Supervisor:
         return status_line(
             [(r.spec.name, r.state, r.spec.model) for r in self._runners],
             self._heat.readings if self._heat else {},
-            sum(self._link.inflight(r.id) for r in self._runners),
+            stopping.in_flight(self._link, self._runners),
             self._stopping or self._stop_task is not None,
         )

@@ -77,6 +77,11 @@ class SystemdReporter:
         self._last_watchdog = 0.0
         self._last_status = ""
 
+    def tick_interval(self, most_s: float) -> float:
+        """The main loop's tick: ``most_s``, or shorter where systemd's watchdog wants it."""
+        wd = self.notifier.watchdog_interval_s
+        return min(most_s, wd) if wd else most_s
+
     def stopping(self, now: float) -> None:
         """A stop has begun: ``STOPPING=1``, and the stop deadline moved at once."""
         self.notifier.stopping()
