@@ -17,6 +17,7 @@ import pwd
 import re
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -206,15 +207,32 @@ def cmd_usage(args: argparse.Namespace) -> int:
         return _fail(f"{path} is not a usage file ({exc}); the daemon sets it aside at start")
     except OSError as exc:
         return _fail(f"cannot read {path} ({exc.strerror or exc})")
-    names: dict[str, str] = {}
-    try:
-        store.load()
-        names = {r.id: r.name for r in store.records}
-    except KeysFileError:
-        pass  # names are a courtesy: the ids are what the file counts by
     start = None if args.since is None else time.time() - args.since
     per_key = counts.since(start) if counts is not None else {}
-    rows: list[dict[str, Any]] = [
+    rows = _usage_rows(per_key, _key_names(store))
+    if args.json:
+        print(json.dumps({"since_seconds": args.since, "file": str(path), "keys": rows}, indent=2))
+        return 0
+    _print_usage_table(rows)
+    if not rows:
+        print(f"no usage recorded in {path}", file=sys.stderr)
+    return 0
+
+
+def _key_names(store: KeyStore) -> dict[str, str]:
+    """Key id to name, for the keys the file still holds."""
+    try:
+        store.load()
+    except KeysFileError:
+        return {}  # names are a courtesy: the ids are what the file counts by
+    return {r.id: r.name for r in store.records}
+
+
+def _usage_rows(
+    per_key: Mapping[str, tuple[int, int]], names: Mapping[str, str]
+) -> list[dict[str, Any]]:
+    """One row per key id, the heaviest user first."""
+    return [
         {
             "id": key_id,
             "name": names.get(key_id),
@@ -224,9 +242,9 @@ def cmd_usage(args: argparse.Namespace) -> int:
         }
         for key_id, (p, c) in sorted(per_key.items(), key=lambda kv: -sum(kv[1]))
     ]
-    if args.json:
-        print(json.dumps({"since_seconds": args.since, "file": str(path), "keys": rows}, indent=2))
-        return 0
+
+
+def _print_usage_table(rows: Sequence[Mapping[str, Any]]) -> None:
     table: list[tuple[str, ...]] = [USAGE_COLUMNS] + [
         (
             str(r["id"]),
@@ -240,9 +258,6 @@ def cmd_usage(args: argparse.Namespace) -> int:
     widths = [max(len(row[i]) for row in table) for i in range(len(USAGE_COLUMNS))]
     for row in table:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
-    if not rows:
-        print(f"no usage recorded in {path}", file=sys.stderr)
-    return 0
 
 
 def add_parser(
@@ -257,7 +272,19 @@ def add_parser(
         "A running daemon picks changes up within 2 s.",
     )
     ksub = keys.add_subparsers(dest="keys_command", required=True, metavar="ACTION")
+    _add_create(ksub, common)
+    p = ksub.add_parser("list", parents=[common], help="one row per key (never the secret)")
+    p.add_argument("--json", action="store_true", help="a JSON list, for machines")
+    p.set_defaults(func=cmd_list)
+    _add_usage(ksub, common)
+    p = ksub.add_parser("revoke", parents=[common], help="revoke a key by its id")
+    p.add_argument("id", metavar="ID", help="the key's id, as `keys list` shows it")
+    p.set_defaults(func=cmd_revoke)
 
+
+def _add_create(
+    ksub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser
+) -> None:
     p = ksub.add_parser(
         "create",
         parents=[common],
@@ -294,10 +321,10 @@ def add_parser(
     )
     p.set_defaults(func=cmd_create)
 
-    p = ksub.add_parser("list", parents=[common], help="one row per key (never the secret)")
-    p.add_argument("--json", action="store_true", help="a JSON list, for machines")
-    p.set_defaults(func=cmd_list)
 
+def _add_usage(
+    ksub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser
+) -> None:
     p = ksub.add_parser(
         "usage",
         parents=[common],
@@ -315,7 +342,3 @@ def add_parser(
     )
     p.add_argument("--json", action="store_true", help="a JSON object, for machines")
     p.set_defaults(func=cmd_usage)
-
-    p = ksub.add_parser("revoke", parents=[common], help="revoke a key by its id")
-    p.add_argument("id", metavar="ID", help="the key's id, as `keys list` shows it")
-    p.set_defaults(func=cmd_revoke)
