@@ -16,15 +16,19 @@ until the usage event says the fingerprint, and puts it back where vLLM would ha
 end of a stream, so holding them costs no latency worth the name; with ``n`` > 1, events
 of other choices that follow the first finish are held with it, in order.
 
-Cost on the per-token path: per read from the engine, one C-level search for
-``"usage"`` (and, when stripping, one for ``"finish_reason":"``); neither can occur
-inside a JSON string value (its quotes are escaped), so a token's text never triggers
-the slow path. Only the few events that match are parsed.
+Cost on the per-token path: per read from the engine, ONE C-level search: for
+``"finish_reason":"`` when stripping (vLLM sends the usage event only after every
+choice's finishing event, and from the first finishing event on each event is looked
+at one by one), else for ``"usage"``. Neither can occur inside a JSON string value (its
+quotes are escaped), so a token's text never triggers the slow path. The usage event,
+as vLLM writes it, is read off its bytes with one anchored regex (:data:`_VLLM_USAGE`);
+only an event of another shape is parsed with ``json.loads``.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, TypeGuard
 
@@ -36,6 +40,21 @@ FINISH_MARK = b'"finish_reason":"'
 DATA_PREFIX = b"data: "
 STREAM_USAGE = b'"stream_options":{"include_usage":true},'
 ROUTES_WITH_STREAM_USAGE = ("chat", "completions")
+
+# vLLM's usage event, as its pydantic models write it (model_dump_json, fields in their
+# declared order, exclude_none): the top-level fields before "choices" are matched one by
+# one, so "choices":[] and "usage" are the event's own, and the counts are the first
+# fields of UsageInfo. Any other shape (an escaped character in the id or model name,
+# other fields, another order) fails the match and goes through json.loads instead.
+_VLLM_USAGE = re.compile(
+    rb'data: \{"id":"[^"\\]*","object":"[a-z_.]*","created":\d+,"model":"[^"\\]*",'
+    rb'"choices":\[\],"usage":\{"prompt_tokens":(\d+),"total_tokens":\d+,'
+    rb'"completion_tokens":(\d+)[,}]'
+)
+# The fingerprint after it, when it is plain printable ASCII (as vLLM's is): then its
+# bytes are what json.dumps would write, and go back on the finishing events verbatim.
+_FINGERPRINT = re.compile(rb',"system_fingerprint":("[\x20\x21\x23-\x5b\x5d-\x7e]*")[,}]')
+FINGERPRINT_KEY = b',"system_fingerprint":'
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +156,30 @@ def _event_json(payload: bytes) -> Any:
         return None
 
 
+def _read_usage_event(payload: bytes) -> tuple[Usage, bytes | None] | None:
+    """The counts of the usage event ``payload`` and its fingerprint as JSON bytes, or
+    None when ``payload`` is not a usage event (``"choices":[]`` and a well-formed
+    ``usage``). vLLM's own shape is read off the bytes; any other is parsed."""
+    m = _VLLM_USAGE.match(payload)
+    if m is not None and payload.rstrip().endswith(b"}"):
+        usage = Usage(int(m[1]), int(m[2]))
+        at = payload.find(FINGERPRINT_KEY, m.end())
+        if at < 0:
+            return usage, None
+        fp = _FINGERPRINT.match(payload, at)
+        if fp is not None:
+            return usage, fp[1]
+        # An escaped or non-ASCII fingerprint: json.dumps decides how it is written back.
+    obj = _event_json(payload)
+    if not isinstance(obj, dict) or obj.get("choices") != []:
+        return None
+    parsed = usage_of(obj)
+    if parsed is None:
+        return None
+    fingerprint = obj.get("system_fingerprint")
+    return parsed, json.dumps(fingerprint).encode() if isinstance(fingerprint, str) else None
+
+
 def _frame(payload: bytes) -> bytes:
     """One HTTP/1.1 chunk, framed as uvicorn (h11) frames it."""
     return b"%x\r\n" % len(payload) + payload + b"\r\n"
@@ -159,7 +202,7 @@ class StreamTap:
     the stream ends without a usage event (vLLM sends one event per token step).
     """
 
-    __slots__ = ("events", "held", "preamble", "strip", "usage")
+    __slots__ = ("events", "held", "mark", "preamble", "strip", "usage")
 
     @classmethod
     def for_plan(cls, plan: UsagePlan | None) -> StreamTap:
@@ -169,6 +212,8 @@ class StreamTap:
 
     def __init__(self, strip: bool, preamble: int = 0) -> None:
         self.strip = strip
+        # What sends a read off the fast path (the module's docstring says why one suffices).
+        self.mark = FINISH_MARK if strip else USAGE_MARK
         self.preamble = preamble
         self.events = 0
         self.usage: Usage | None = None
@@ -179,11 +224,7 @@ class StreamTap:
         """What of ``wire`` (whole chunks, ``chunks`` of them when the caller counted
         them) goes to the client now."""
         # The per-token path, inlined (_passes): one call per read from the engine.
-        if (
-            self.held is None
-            and USAGE_MARK not in wire
-            and (not self.strip or FINISH_MARK not in wire)
-        ):
+        if self.held is None and self.mark not in wire:
             self.events += chunks or len(scan_chunks(wire)[1])
             return wire
         _, payloads, _ = scan_chunks(wire)
@@ -220,11 +261,9 @@ class StreamTap:
 
     # ---- both ------------------------------------------------------------------------
     def _passes(self, data: bytes) -> bool:
-        """Whether ``data`` goes on untouched: no usage event in it, nothing held, and
-        (when stripping) no finishing event. Two C-level searches, no parsing."""
-        if self.held is not None or USAGE_MARK in data:
-            return False
-        return not self.strip or FINISH_MARK not in data
+        """Whether ``data`` goes on untouched: nothing held, and no usage event in it (when
+        stripping: no finishing event, which comes first). One C-level search."""
+        return self.held is None and self.mark not in data
 
     def _events(self, payloads: list[bytes]) -> list[bytes]:
         out: list[bytes] = []
@@ -241,18 +280,13 @@ class StreamTap:
 
     def _take_usage(self, payload: bytes, out: list[bytes]) -> bool:
         """Whether ``payload`` was the usage event and is not for the client."""
-        obj = _event_json(payload)
-        if not isinstance(obj, dict) or obj.get("choices") != []:
+        found = _read_usage_event(payload)
+        if found is None:
             return False  # continuous usage on a token event (the client asked): pass on
-        usage = usage_of(obj)
-        if usage is None:
-            return False
-        self.usage = usage
+        self.usage, fp = found
         self.events -= 1  # not a token event
         if not self.strip:
             return False
-        fingerprint = obj.get("system_fingerprint")
-        fp = json.dumps(fingerprint).encode() if isinstance(fingerprint, str) else None
         for held in self.held or ():
             if fp is not None and FINISH_MARK in held:
                 held = _with_fingerprint(held, fp)

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from appliance.gateway import usage_events
 from appliance.gateway.http1 import count_whole_chunks, is_whole_chunks, scan_chunks
 from appliance.gateway.usage_events import (
     StreamTap,
@@ -125,6 +126,58 @@ def test_continuous_usage_asked_by_the_client_passes() -> None:
     per_token = event(HEAD + ',"choices":[{"index":0,"delta":{"content":"a"}}],"usage":{}')
     tap = StreamTap(strip=False)
     assert tap.wire(wire([per_token]), 1) == wire([per_token])
+    assert tap.usage is None
+
+
+# Usage events of other shapes than vLLM's own (which is read off its bytes): each is read
+# as json.loads reads it, and the fingerprint goes back as json.dumps writes it.
+COUNTS = '"prompt_tokens":11,"total_tokens":14,"completion_tokens":3'
+SHAPES = {
+    "vllm": (HEAD, COUNTS, '"vllm-0.32.0-1a2b3c4d"'),
+    "details": (HEAD, COUNTS + ',"prompt_tokens_details":{"cached_tokens":0}', '"fp"'),
+    "other order": (HEAD, '"completion_tokens":3,"prompt_tokens":11,"total_tokens":14', '"fp"'),
+    "escaped model": (HEAD.replace('"m"', '"a\\"b"'), COUNTS, '"fp"'),
+    "escaped fingerprint": (HEAD, COUNTS, '"fp\\u00e9\\"x"'),
+    "no fingerprint": (HEAD, COUNTS, ""),
+}
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_usage_events_of_any_shape_are_read_and_taken_out(shape: str) -> None:
+    head, counts, fp = SHAPES[shape]
+    stamp = f',"system_fingerprint":{fp}' if fp else ""
+    usage = event(f'{head},"choices":[],"usage":{{{counts}}}{stamp}')
+    tap = StreamTap(strip=True)
+    sent = through_splice(tap, [token("a"), token("c", "stop"), usage, DONE], 1)
+    fingerprint = json.loads(fp) if fp else None
+    finish = token("c", "stop")
+    if fingerprint is not None:  # as vLLM stamps it without include_usage
+        finish = finish[:-3] + f',"system_fingerprint":{json.dumps(fingerprint)}}}\n\n'.encode()
+    assert body_of(sent) == b"".join([token("a"), finish, DONE])
+    assert tap.usage == Usage(11, 3)
+
+
+def test_vllms_own_usage_event_is_read_without_parsing_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The hot path's cost: vLLM's usage event is read off its bytes, never json.loads'd."""
+
+    def no_json(payload: bytes) -> None:
+        raise AssertionError(f"parsed {payload!r}")
+
+    monkeypatch.setattr(usage_events, "_event_json", no_json)
+    tap = StreamTap(strip=True)
+    assert body_of(through_splice(tap, WITH_USAGE, 1)) == b"".join(PLAIN)
+    assert tap.usage == Usage(11, 3)
+
+
+@pytest.mark.parametrize(
+    "counts", ['"prompt_tokens":-1,"total_tokens":2,"completion_tokens":3', COUNTS[:-1] + "3.5"]
+)
+def test_a_malformed_usage_event_is_not_taken_for_one(counts: str) -> None:
+    bad = event(f'{HEAD},"choices":[],"usage":{{{counts}}}')
+    tap = StreamTap(strip=False)
+    assert tap.wire(wire([bad]), 1) == wire([bad])
     assert tap.usage is None
 
 
