@@ -194,6 +194,36 @@ def _authenticate(gw: Gateway, request: web.Request, scope: str) -> None:
     request["key"] = record
 
 
+def _check_access(gw: Gateway, request: web.Request) -> None:
+    """The key the route's scope needs (none for open routes, nor /metrics made public)."""
+    scope = required_scope(request.path)
+    if scope is not None and not (
+        scope == "metrics" and gw.appliance.config.gateway.metrics_public
+    ):
+        _authenticate(gw, request, scope)
+
+
+def _http_error(gw: Gateway, request: web.Request, exc: web.HTTPException) -> web.Response:
+    """aiohttp's own refusals (body too large, no route, wrong method) in OpenAI's shape."""
+    if exc.status == 413:
+        limit = gw.appliance.config.gateway.max_body_bytes
+        return error_response(
+            413, f"the request body is larger than {limit} bytes", code="request_too_large"
+        )
+    if exc.status == 404:
+        return error_response(
+            404, f"no such route: {request.method} {request.path}", code="unknown_route"
+        )
+    if exc.status == 405:
+        return error_response(
+            405,
+            f"{request.method} is not allowed on {request.path}",
+            code="method_not_allowed",
+            headers={"Allow": exc.headers.get("Allow", "")},
+        )
+    return error_response(exc.status, exc.reason or "request refused")
+
+
 @web.middleware
 async def gateway_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
     gw = request.app[GATEWAY]
@@ -201,11 +231,7 @@ async def gateway_middleware(request: web.Request, handler: Any) -> web.StreamRe
     route = _route_label(request)
     status = 500
     try:
-        scope = required_scope(request.path)
-        if scope is not None and not (
-            scope == "metrics" and gw.appliance.config.gateway.metrics_public
-        ):
-            _authenticate(gw, request, scope)
+        _check_access(gw, request)
         resp: web.StreamResponse = await handler(request)
         status = request.get("status", resp.status)
         return resp
@@ -217,23 +243,7 @@ async def gateway_middleware(request: web.Request, handler: Any) -> web.StreamRe
         return exc.response()
     except web.HTTPException as exc:
         status = exc.status
-        if exc.status == 413:
-            limit = gw.appliance.config.gateway.max_body_bytes
-            return error_response(
-                413, f"the request body is larger than {limit} bytes", code="request_too_large"
-            )
-        if exc.status == 404:
-            return error_response(
-                404, f"no such route: {request.method} {request.path}", code="unknown_route"
-            )
-        if exc.status == 405:
-            return error_response(
-                405,
-                f"{request.method} is not allowed on {request.path}",
-                code="method_not_allowed",
-                headers={"Allow": exc.headers.get("Allow", "")},
-            )
-        return error_response(exc.status, exc.reason or "request refused")
+        return _http_error(gw, request, exc)
     except asyncio.CancelledError:
         status = 499  # the client went away; the upstream request was closed with it
         raise
@@ -294,9 +304,7 @@ def models_ready(gw: Gateway, admitting: set[int]) -> dict[str, str]:
     """Each served model: "ready" while one of its engines admits new work, else "down"."""
     engines = gw.appliance.engines()
     return {
-        m.name: (
-            "ready" if any(e.id in admitting for e in candidates(m.name, engines)) else "down"
-        )
+        m.name: ("ready" if any(e.id in admitting for e in candidates(m.name, engines)) else "down")
         for m in gw.appliance.config.served
     }
 
