@@ -29,6 +29,7 @@ from appliance.doctor.engine import (
 )
 from appliance.doctor.gpu import (
     DRIVER_PROC,
+    NvidiaProbe,
     check_nvidia,
     gpu_memory_totals,
     probe_nvidia,
@@ -145,6 +146,43 @@ def _engine_checks(
     return results
 
 
+def _nvidia_checks(nv: NvidiaProbe, config: Config | None, probes: Probes) -> list[Result]:
+    """The driver and each GPU, judged against the engine settings (defaults if none)."""
+    e = config.engine if config is not None else None
+    return check_nvidia(
+        nv,
+        device=e.device if e is not None else "auto",
+        gpus_setting=e.gpus if e is not None else "auto",
+        gpu_memory_utilization=e.gpu_memory_utilization if e is not None else 0.9,
+        driver_loaded=probes.driver_loaded(),
+        describe_pid=probes.describe_pid,
+    )
+
+
+def _host_checks(
+    config: Config | None,
+    home: Path,
+    account: Account,
+    unit: dict[str, str] | str,
+    probes: Probes,
+) -> list[Result]:
+    """State directory, keys file, disk, the systemd unit and the gateway, in that order."""
+    results = [check_state_dir(home, account)]
+    if config is not None:
+        results.append(check_keys_file(Path(config.gateway.keys_file), account))
+    else:
+        results.append(na("keys file", "the config is invalid"))
+    results.append(
+        check_disk(home, setup_done=(home / paths.SETUP_MARKER).exists(), usage=probes.disk_usage)
+    )
+    results.append(check_systemd(unit))
+    if config is not None:
+        results.append(check_gateway(config.gateway, opener=probes.opener))
+    else:
+        results.append(na("gateway", "the config is invalid"))
+    return results
+
+
 def run_checks(
     config_path: str | None, env: Mapping[str, str] | None = None, probes: Probes | None = None
 ) -> Report:
@@ -161,15 +199,7 @@ def run_checks(
     setting = e.device if e is not None else "auto"
     device = "cpu" if setting == "cpu" or (setting == "auto" and not nv.gpus) else "cuda"
     gpus = selected_gpus(e.gpus if e is not None else "auto", len(nv.gpus))
-    results = [config_result]
-    results += check_nvidia(
-        nv,
-        device=setting,
-        gpus_setting=e.gpus if e is not None else "auto",
-        gpu_memory_utilization=e.gpu_memory_utilization if e is not None else 0.9,
-        driver_loaded=probes.driver_loaded(),
-        describe_pid=probes.describe_pid,
-    )
+    results = [config_result, *_nvidia_checks(nv, config, probes)]
     under_unit = isinstance(unit, dict) and unit.get("LoadState") == "loaded"
     if config is not None:
         results += _engine_checks(
@@ -185,19 +215,7 @@ def run_checks(
         )
     else:
         results += [na(n, "the config is invalid") for n in ("engine venv", "model")]
-    results.append(check_state_dir(home, account))
-    if config is not None:
-        results.append(check_keys_file(Path(config.gateway.keys_file), account))
-    else:
-        results.append(na("keys file", "the config is invalid"))
-    results.append(
-        check_disk(home, setup_done=(home / paths.SETUP_MARKER).exists(), usage=probes.disk_usage)
-    )
-    results.append(check_systemd(unit))
-    if config is not None:
-        results.append(check_gateway(config.gateway, opener=probes.opener))
-    else:
-        results.append(na("gateway", "the config is invalid"))
+    results += _host_checks(config, home, account, unit, probes)
     source = (config.source or "built-in defaults") if config is not None else None
     return Report(tuple(results), source, account.name, str(home))
 
