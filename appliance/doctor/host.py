@@ -308,21 +308,30 @@ def check_gateway(
     except urllib.error.HTTPError as exc:
         code, body = exc.code, exc.read(65536) if exc.fp is not None else b""
     except (OSError, ValueError) as exc:
-        reason = getattr(exc, "reason", exc)
-        if isinstance(reason, ssl.SSLError):
-            return fail(
-                name,
-                f"{url}: TLS failed ({reason})",
-                "the server there is not the gateway this config describes (gateway.tls_cert)",
-                url=url,
-            )
+        return _unreachable(name, url, exc)
+    return _judge_readyz(name, url, code, body)
+
+
+def _unreachable(name: str, url: str, exc: OSError | ValueError) -> Result:
+    """No HTTP answer: a TLS handshake that failed, or nothing listening there."""
+    reason = getattr(exc, "reason", exc)
+    if isinstance(reason, ssl.SSLError):
         return fail(
             name,
-            f"cannot reach {url}: {reason}",
-            f"is the service running? `systemctl status {UNIT}` (in a checkout: "
-            "`llm-appliance serve`)",
+            f"{url}: TLS failed ({reason})",
+            "the server there is not the gateway this config describes (gateway.tls_cert)",
             url=url,
         )
+    return fail(
+        name,
+        f"cannot reach {url}: {reason}",
+        f"is the service running? `systemctl status {UNIT}` (in a checkout: `llm-appliance serve`)",
+        url=url,
+    )
+
+
+def _judge_readyz(name: str, url: str, code: int, body: bytes) -> Result:
+    """What /readyz answered: 200 ready, 503 no engine ready, anything else not ours."""
     try:
         doc = json.loads(body)
     except ValueError:
