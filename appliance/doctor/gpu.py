@@ -166,35 +166,44 @@ def check_nvidia(
     count = len(probe.gpus)
     data = {"driver_version": probe.driver_version, "gpu_count": count}
     if count == 0:
-        if device == "cuda":
-            return [
-                fail(
-                    "nvidia",
-                    f"driver {probe.driver_version}, but NVML sees no GPU",
-                    'check `nvidia-smi`; set engine.device = "auto" or "cpu" to run on the CPU',
-                    **data,
-                )
-            ]
-        return [na("nvidia", "NVML works but sees no GPU: the engines run on the CPU", **data)]
+        return [_no_gpu(probe, device, data)]
     head = f"driver {probe.driver_version or '?'}, {count} GPU(s)"
     if device == "cpu":
         lines = [ok("nvidia", f'{head}, not used (engine.device = "cpu")', **data)]
         return lines + [_gpu_line(g, None, describe_pid) for g in probe.gpus]
-    missing = [g for g in gpus_setting if g >= count] if isinstance(gpus_setting, list) else []
-    if missing:
-        first = fail(
-            "nvidia",
-            f"{head}, but engine.gpus = {gpus_setting!r} names GPU(s) {missing} that are not there",
-            f'set engine.gpus to GPUs 0..{count - 1}, or to "auto"',
-            **data,
-        )
-    else:
-        first = ok("nvidia", head, **data)
+    first = _nvidia_line(head, gpus_setting, count, data)
     used = set(selected_gpus(gpus_setting, count))
     budget = gpu_memory_utilization
     return [first] + [
         _gpu_line(g, budget if g.index in used else None, describe_pid) for g in probe.gpus
     ]
+
+
+def _no_gpu(probe: NvidiaProbe, device: str, data: dict[str, Any]) -> Result:
+    """NVML works and sees no GPU: a failure only where the config asks for CUDA."""
+    if device == "cuda":
+        return fail(
+            "nvidia",
+            f"driver {probe.driver_version}, but NVML sees no GPU",
+            'check `nvidia-smi`; set engine.device = "auto" or "cpu" to run on the CPU',
+            **data,
+        )
+    return na("nvidia", "NVML works but sees no GPU: the engines run on the CPU", **data)
+
+
+def _nvidia_line(
+    head: str, gpus_setting: str | list[int], count: int, data: dict[str, Any]
+) -> Result:
+    """The "nvidia" line when GPUs are used: it fails if engine.gpus names absent ones."""
+    missing = [g for g in gpus_setting if g >= count] if isinstance(gpus_setting, list) else []
+    if missing:
+        return fail(
+            "nvidia",
+            f"{head}, but engine.gpus = {gpus_setting!r} names GPU(s) {missing} that are not there",
+            f'set engine.gpus to GPUs 0..{count - 1}, or to "auto"',
+            **data,
+        )
+    return ok("nvidia", head, **data)
 
 
 def _nvml_unusable(probe: NvidiaProbe, device: str, driver_loaded: bool) -> Result:
@@ -231,25 +240,12 @@ def _gpu_line(
         "power limit ?" if g.power_limit_w is None else f"power limit {g.power_limit_w:.0f} W",
         {True: "persistence on", False: "persistence off", None: "persistence ?"}[g.persistence],
     ]
-    foreign: list[tuple[str, int | None]] = []
-    for p in g.processes or ():
-        label, ours = describe_pid(p.pid)
-        if not ours:
-            foreign.append((label, p.used_bytes))
+    foreign = _foreign_processes(g, describe_pid)
     if g.processes is None:
         parts.append("its processes cannot be listed")
     elif foreign:
         parts.append("held by " + ", ".join(f"{label}: {gib(b)}" for label, b in foreign))
-    data = {
-        "name": g.name,
-        "memory_total_bytes": g.memory_total,
-        "memory_used_bytes": g.memory_used,
-        "temperature_c": g.temperature_c,
-        "power_limit_w": g.power_limit_w,
-        "persistence": g.persistence,
-        "foreign_processes": [{"process": label, "used_bytes": b} for label, b in foreign],
-        "used_by_engines": utilization is not None,
-    }
+    data = _gpu_data(g, foreign, utilization)
     detail = ", ".join(parts)
     if g.persistence is False:
         # Not a fault: without it the driver is torn down and set up again around each
@@ -268,6 +264,34 @@ def _gpu_line(
                 **data,
             )
     return ok(f"gpu{g.index}", detail, **data)
+
+
+def _foreign_processes(
+    g: GpuInfo, describe_pid: Callable[[int], tuple[str, bool]]
+) -> list[tuple[str, int | None]]:
+    """(label, bytes used) of each process on the GPU that is not the appliance's own."""
+    foreign: list[tuple[str, int | None]] = []
+    for p in g.processes or ():
+        label, ours = describe_pid(p.pid)
+        if not ours:
+            foreign.append((label, p.used_bytes))
+    return foreign
+
+
+def _gpu_data(
+    g: GpuInfo, foreign: list[tuple[str, int | None]], utilization: float | None
+) -> dict[str, Any]:
+    """The GPU line's machine-readable fields (``doctor --json``)."""
+    return {
+        "name": g.name,
+        "memory_total_bytes": g.memory_total,
+        "memory_used_bytes": g.memory_used,
+        "temperature_c": g.temperature_c,
+        "power_limit_w": g.power_limit_w,
+        "persistence": g.persistence,
+        "foreign_processes": [{"process": label, "used_bytes": b} for label, b in foreign],
+        "used_by_engines": utilization is not None,
+    }
 
 
 def gpu_memory_totals(probe: NvidiaProbe, gpus: Sequence[int]) -> list[int]:
