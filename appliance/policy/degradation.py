@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import pairwise
 from typing import Literal
 
@@ -339,42 +339,47 @@ def learn_baseline(
     if now < warm_from:
         return previous
     window = _window(samples, max(warm_from, now - policy.window_s), now)
-
-    tokens, running, count, updated = (
-        previous.tokens_per_s_per_request,
-        previous.running,
-        previous.samples,
-        previous.updated_at,
-    )
-    measured = throughput(window, policy)
-    if measured is not None and measured.per_request > 0:
-        if tokens is None or running is None:
-            tokens, running = measured.per_request, measured.mean_running
-            count, updated = count + 1, now
-        elif measured.per_request >= policy.slowdown_ratio * tokens:
-            elapsed = now - updated if updated is not None else policy.window_s
-            alpha = 1.0 - math.exp(-max(elapsed, 0.0) / policy.baseline_tau_s)
-            tokens += alpha * (measured.per_request - tokens)
-            running += alpha * (measured.mean_running - running)
-            count, updated = count + 1, now
-
-    rss = previous.rss_bytes
-    known = [s.rss_bytes for s in window if s.rss_bytes is not None]
-    if len(known) >= policy.min_samples:
-        lowest = min(known)
-        rss = lowest if rss is None else min(rss, lowest)
-
-    if (tokens, running, count, rss) == (
-        previous.tokens_per_s_per_request,
-        previous.running,
-        previous.samples,
-        previous.rss_bytes,
-    ):
+    learned = _learn_throughput(window, previous, policy, now)
+    rss = _lowest_rss(window, previous.rss_bytes, policy)
+    if learned is previous and rss == previous.rss_bytes:
         return previous
-    return Baseline(
+    return replace(learned, rss_bytes=rss)
+
+
+def _learn_throughput(
+    window: Sequence[EngineSample], previous: Baseline, policy: DegradationPolicy, now: float
+) -> Baseline:
+    """The throughput baseline: the first healthy window sets it, later ones not slowed
+    down move it by an exponential average; ``previous`` itself when nothing is learned."""
+    measured = throughput(window, policy)
+    if measured is None or measured.per_request <= 0:
+        return previous
+    tokens, running = previous.tokens_per_s_per_request, previous.running
+    if tokens is None or running is None:
+        tokens, running = measured.per_request, measured.mean_running
+    elif measured.per_request >= policy.slowdown_ratio * tokens:
+        updated = previous.updated_at
+        elapsed = now - updated if updated is not None else policy.window_s
+        alpha = 1.0 - math.exp(-max(elapsed, 0.0) / policy.baseline_tau_s)
+        tokens += alpha * (measured.per_request - tokens)
+        running += alpha * (measured.mean_running - running)
+    else:
+        return previous  # a slow window teaches nothing: it may be the degradation itself
+    return replace(
+        previous,
         tokens_per_s_per_request=tokens,
-        rss_bytes=rss,
-        samples=count,
         running=running,
-        updated_at=updated,
+        samples=previous.samples + 1,
+        updated_at=now,
     )
+
+
+def _lowest_rss(
+    window: Sequence[EngineSample], previous: int | None, policy: DegradationPolicy
+) -> int | None:
+    """The lowest RSS seen in windows with enough samples: the engine's healthy size."""
+    known = [s.rss_bytes for s in window if s.rss_bytes is not None]
+    if len(known) < policy.min_samples:
+        return previous
+    lowest = min(known)
+    return lowest if previous is None else min(previous, lowest)
