@@ -54,7 +54,16 @@ def engine_count_bound(cfg: Config) -> int:
 
 
 def _cross_check(cfg: Config, problems: list[str]) -> None:
-    g, e, t, th, r = cfg.gateway, cfg.engine, cfg.telemetry, cfg.thermal, cfg.restart
+    """Rules that span fields, in the order their problems are listed."""
+    _check_gateway(cfg, problems)
+    _check_gpus(cfg.engine, problems)
+    _check_ports(cfg, problems)
+    check_engine_keys(cfg.engine, "engine", problems)
+    _check_telemetry_and_limits(cfg, problems)
+
+
+def _check_gateway(cfg: Config, problems: list[str]) -> None:
+    g = cfg.gateway
     if not _is_loopback(g.host) and not g.allow_lan:
         problems.append(
             f"gateway.host = {_show(g.host)}: a non-loopback address needs "
@@ -64,6 +73,9 @@ def _cross_check(cfg: Config, problems: list[str]) -> None:
         problems.append("gateway.tls_cert / gateway.tls_key: set both for HTTPS, or neither")
     if g.keys_file == "":
         problems.append('gateway.keys_file = "": must be a file path')
+
+
+def _check_gpus(e: EngineConfig, problems: list[str]) -> None:
     if isinstance(e.gpus, list):
         if not e.gpus:
             problems.append('engine.gpus = []: must be "auto" or a non-empty list of GPU indices')
@@ -76,6 +88,11 @@ def _cross_check(cfg: Config, problems: list[str]) -> None:
                 'engine.gpus: a GPU list needs engine.device = "cuda" or "auto" '
                 '(with device = "cpu" use engine.cpu_engines)'
             )
+
+
+def _check_ports(cfg: Config, problems: list[str]) -> None:
+    """Engine ports inside 1..65535 and clear of the gateway's port."""
+    g, e = cfg.gateway, cfg.engine
     count = engine_count_bound(cfg)
     if e.port_base + count - 1 > 65535:
         problems.append(f"engine.port_base = {e.port_base}: engine ports would pass 65535")
@@ -84,7 +101,11 @@ def _cross_check(cfg: Config, problems: list[str]) -> None:
             f"gateway.port = {g.port}: collides with engine ports "
             f"{e.port_base}..{e.port_base + count - 1} (engine.port_base)"
         )
-    check_engine_keys(e, "engine", problems)
+
+
+def _check_telemetry_and_limits(cfg: Config, problems: list[str]) -> None:
+    """The sensor source, and limits that must be ordered (hard above soft, and so on)."""
+    t, th, r = cfg.telemetry, cfg.thermal, cfg.restart
     if not (t.source in ("nvml", "none") or (t.source.startswith("file:") and len(t.source) > 5)):
         problems.append(
             f'telemetry.source = {_show(t.source)}: must be one of "nvml", '
