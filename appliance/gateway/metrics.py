@@ -37,57 +37,15 @@ class GatewayMetrics:
         disable_created_metrics()  # type: ignore[no-untyped-call]
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.requests = Counter(
-            "appliance_requests",
-            "Requests answered, by route, status and model (a configured name; \"\" before "
-            "one was known)",
-            ["route", "status", "model"],
-            registry=r,
-        )
-        self.duration = Histogram(
-            "appliance_request_duration_seconds",
-            "Time from request to the last byte of the answer",
-            ["route", "model"],
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.ttft = Histogram(
-            "appliance_time_to_first_token_seconds",
-            "Time from request to the first streamed byte, seen by the gateway",
-            ["route", "model"],
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.queue_wait = Histogram(
-            "appliance_queue_wait_seconds",
-            "Time requests waited for an engine slot",
-            buckets=QUEUE_BUCKETS,
-            registry=r,
-        )
-        self.rejections = Counter(
-            "appliance_admission_rejections",
-            "Requests refused by admission, by reason",
-            ["reason"],
-            registry=r,
-        )
-        self.rate_limited = Counter(
-            "appliance_rate_limited",
-            "Requests refused by a key's rpm or tpm limit",
-            ["key_id", "limit"],
-            registry=r,
-        )
-        self.failovers = Counter(
-            "appliance_failovers",
-            "Requests retried on another engine before the first byte",
-            registry=r,
-        )
-        self.fallbacks = Counter(
-            "appliance_fallbacks",
-            "Requests sent to their model's fallback model, by model asked for, model that "
-            "served and why the first could not admit them (down, heat, kv, full)",
-            ["from", "to", "reason"],
-            registry=r,
-        )
+        # Registered in this order, which is the order /metrics lists them in.
+        self.requests, self.duration, self.ttft = _request_metrics(r)
+        (
+            self.queue_wait,
+            self.rejections,
+            self.rate_limited,
+            self.failovers,
+            self.fallbacks,
+        ) = _admission_metrics(r)
 
     def first_byte(self, route: str, model: str, started: float) -> None:
         """The first byte of an answer left for the client (``started``: monotonic)."""
@@ -95,6 +53,69 @@ class GatewayMetrics:
 
     def attach(self, view: ApplianceView, admission: Admission) -> None:
         self.registry.register(_LiveCollector(view, admission))
+
+
+def _request_metrics(r: CollectorRegistry) -> tuple[Counter, Histogram, Histogram]:
+    """Requests answered, their duration and their time to first byte."""
+    requests = Counter(
+        "appliance_requests",
+        'Requests answered, by route, status and model (a configured name; "" before '
+        "one was known)",
+        ["route", "status", "model"],
+        registry=r,
+    )
+    duration = Histogram(
+        "appliance_request_duration_seconds",
+        "Time from request to the last byte of the answer",
+        ["route", "model"],
+        buckets=LATENCY_BUCKETS,
+        registry=r,
+    )
+    ttft = Histogram(
+        "appliance_time_to_first_token_seconds",
+        "Time from request to the first streamed byte, seen by the gateway",
+        ["route", "model"],
+        buckets=LATENCY_BUCKETS,
+        registry=r,
+    )
+    return requests, duration, ttft
+
+
+def _admission_metrics(
+    r: CollectorRegistry,
+) -> tuple[Histogram, Counter, Counter, Counter, Counter]:
+    """What admission, the rate limits, failover and fallback did to requests."""
+    queue_wait = Histogram(
+        "appliance_queue_wait_seconds",
+        "Time requests waited for an engine slot",
+        buckets=QUEUE_BUCKETS,
+        registry=r,
+    )
+    rejections = Counter(
+        "appliance_admission_rejections",
+        "Requests refused by admission, by reason",
+        ["reason"],
+        registry=r,
+    )
+    rate_limited = Counter(
+        "appliance_rate_limited",
+        "Requests refused by a key's rpm or tpm limit",
+        ["key_id", "limit"],
+        registry=r,
+    )
+    failovers = Counter(
+        "appliance_failovers",
+        "Requests retried on another engine before the first byte",
+        registry=r,
+    )
+    fallbacks = Counter(
+        "appliance_fallbacks",
+        "Requests sent to their model's fallback model, by model asked for, model that "
+        "served and why the first could not admit them (down, heat, kv, full)",
+        ["from", "to", "reason"],
+        registry=r,
+    )
+    return queue_wait, rejections, rate_limited, failovers, fallbacks
 
 
 # The last health check's vLLM figures, per engine: (family, help, EngineStatus field).
@@ -206,7 +227,7 @@ class _LiveCollector(Collector):
         )
         info = GaugeMetricFamily(
             "appliance_engine_info",
-            "1 per engine: the model it serves and its GPUs (\"0,1\"; \"\" on CPU)",
+            '1 per engine: the model it serves and its GPUs ("0,1"; "" on CPU)',
             labels=["engine", "model", "gpus"],
         )
         for e in status.engines:
