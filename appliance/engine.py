@@ -247,13 +247,8 @@ def build_argv(
     e = served.engine
     if e.command:
         return _custom_command(served, python, model, address, gpus)
-    # vLLM ignores --host/--port when --uds is given. The key goes in the environment
-    # (VLLM_API_KEY), not here: any local user can read a command line.
-    listen = (
-        ["--uds", address.uds]
-        if address.uds is not None
-        else ["--host", "127.0.0.1", "--port", str(address.port)]
-    )
+    # The key goes in the environment (VLLM_API_KEY), not here: any local user can read
+    # a command line.
     argv = [
         python,
         "-m",
@@ -262,7 +257,7 @@ def build_argv(
         model,
         "--served-model-name",
         served.name,
-        *listen,
+        *_listen_args(address),
         "--max-model-len",
         str(e.max_model_len),
         "--max-num-batched-tokens",
@@ -275,6 +270,14 @@ def build_argv(
         *e.extra_args,
     ]
     return tuple(argv)
+
+
+def _listen_args(address: EngineAddress) -> list[str]:
+    """Where vLLM listens: a Unix socket, else 127.0.0.1 and the engine's port (vLLM
+    ignores --host/--port when --uds is given)."""
+    if address.uds is not None:
+        return ["--uds", address.uds]
+    return ["--host", "127.0.0.1", "--port", str(address.port)]
 
 
 def _custom_command(
