@@ -195,16 +195,7 @@ def plan_engines(
     groups, binds, core_sets = _engine_slots(config, device, gpu_count, cores)
     python = resolve_python(config, home)
     model_paths = _model_paths(config, home)
-    flags: Collection[str] = ()
-    cpu_dtype: CpuDtype | None = None
-    libs: tuple[str, ...] = ()
-    e = config.engine
-    if device == "cpu" and not e.command:  # our vLLM command line, on CPU
-        flags = read_cpu_flags() if cpu_flags is None else cpu_flags
-        cpu_dtype = choose_cpu_dtype(flags, e.extra_args)
-        libs = tuple(cpu_preload_libs(python) if preload is None else preload)
-        if "LD_PRELOAD" in e.env:
-            libs = ()  # engine.env's LD_PRELOAD replaces ours (build_env): nothing of ours
+    flags, cpu_dtype, libs = _cpu_choices(config, device, python, cpu_flags, preload)
     boot_id = secrets.token_hex(4)
     ctx = _Shared(config, home, python, base_env, socket_dir, boot_id, device, flags, libs)
     specs = [
@@ -223,6 +214,26 @@ def plan_engines(
         libs,
         model_paths,
     )
+
+
+def _cpu_choices(
+    config: Config,
+    device: str,
+    python: str,
+    cpu_flags: Collection[str] | None,
+    preload: Sequence[str] | None,
+) -> tuple[Collection[str], CpuDtype | None, tuple[str, ...]]:
+    """Processor flags, dtype and LD_PRELOAD libraries of our vLLM command line on CPU;
+    nothing on GPUs or with a model's own `command`."""
+    e = config.engine
+    if device != "cpu" or e.command:
+        return (), None, ()
+    flags = read_cpu_flags() if cpu_flags is None else cpu_flags
+    cpu_dtype = choose_cpu_dtype(flags, e.extra_args)
+    libs = tuple(cpu_preload_libs(python) if preload is None else preload)
+    if "LD_PRELOAD" in e.env:
+        libs = ()  # engine.env's LD_PRELOAD replaces ours (build_env): nothing of ours
+    return flags, cpu_dtype, libs
 
 
 def _engine_slots(
