@@ -215,21 +215,9 @@ class Relay:
         gw = self.gw
         tried: frozenset[int] = frozenset()
         for attempt in (1, 2):
-            queued = time.monotonic()
-            first = None
-            if attempt == 1 and fallback:
-                first = await self._admit_or_fall_back(request, parsed, fallback)
-            if first is not None:
-                engine_id, parsed = first
-            else:
-                engine_id = await gw.admission.acquire(
-                    parsed.cost,
-                    batch=batch,
-                    session=parsed.session,
-                    exclude=tried,
-                    model=parsed.model,
-                )
-            gw.metrics.queue_wait.observe(time.monotonic() - queued)
+            engine_id, parsed = await self._admit(
+                request, parsed, batch, tried, fallback if attempt == 1 else ""
+            )
             try:
                 result = await self._relay(request, engine_id, path, parsed, started)
             finally:
@@ -248,6 +236,31 @@ class Relay:
                 continue
             raise engine_error(result)
         raise AssertionError("unreachable")
+
+    async def _admit(
+        self,
+        request: web.Request,
+        parsed: ParsedRequest,
+        batch: bool,
+        tried: frozenset[int],
+        fallback: str,
+    ) -> tuple[int, ParsedRequest]:
+        """A slot on an engine not ``tried`` (or the ``fallback`` model's), and the request
+        as it goes there; the wait is recorded in appliance_queue_wait_seconds."""
+        queued = time.monotonic()
+        first = await self._admit_or_fall_back(request, parsed, fallback) if fallback else None
+        if first is not None:
+            engine_id, parsed = first
+        else:
+            engine_id = await self.gw.admission.acquire(
+                parsed.cost,
+                batch=batch,
+                session=parsed.session,
+                exclude=tried,
+                model=parsed.model,
+            )
+        self.gw.metrics.queue_wait.observe(time.monotonic() - queued)
+        return engine_id, parsed
 
     async def _relay(
         self,
