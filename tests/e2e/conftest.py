@@ -202,3 +202,31 @@ def appliance(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealApplianc
         leftovers = kill_run(marker, groups)
         if leftovers:
             print(f"\n[e2e] teardown killed leftover processes of this run: {leftovers}")
+
+
+@contextlib.contextmanager
+def serving(tmp: Path, cfg: dict[str, Any], engines: int) -> Iterator[RealAppliance]:
+    """A daemon with real engines from ``cfg``, every one of its ``engines`` READY, and
+    its admin key; whatever is left of its engines is killed afterwards."""
+    marker = secrets.token_hex(8)
+    groups: set[int] = set()
+    env = {"LLM_APPLIANCE_HOME": str(real_home()), RUN_MARKER: marker}
+    try:
+        with run_appliance(tmp, cfg, env=env) as app:
+            real = RealAppliance(app, marker, tmp)
+            real.groups = groups
+            started = time.monotonic()
+            try:
+                app.wait_for((tmp / "admin.key").exists, READY_TIMEOUT_S, "admin.key written")
+                real.admin_key = (tmp / "admin.key").read_text().strip()
+                app.wait_for(
+                    lambda: real.states() == ["READY"] * engines,
+                    READY_TIMEOUT_S,
+                    f"{engines} engine(s) READY",
+                )
+                real.timings["all_ready_s"] = time.monotonic() - started
+                yield real
+            finally:
+                print(f"\n[e2e] daemon log: {app.log_path}")
+    finally:
+        kill_run(marker, groups)

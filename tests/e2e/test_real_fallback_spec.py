@@ -11,7 +11,6 @@ back to ``chat``.
 from __future__ import annotations
 
 import json
-import secrets
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -19,15 +18,8 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.conftest import (
-    READY_TIMEOUT_S,
-    RUN_MARKER,
-    RealAppliance,
-    kill_run,
-    missing_setup,
-    real_home,
-)
-from tests.fakes.appliance_proc import real_engine_config, run_appliance
+from tests.e2e.conftest import RealAppliance, missing_setup, serving
+from tests.fakes.appliance_proc import real_engine_config
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}
@@ -49,26 +41,8 @@ def chat_and_small(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealApp
         {"name": "chat", "fallback": "small", "speculative": SPECULATIVE},
         {"name": "small"},
     ]
-    marker = secrets.token_hex(8)
-    groups: set[int] = set()
-    env = {"LLM_APPLIANCE_HOME": str(real_home()), RUN_MARKER: marker}
-    try:
-        with run_appliance(tmp, cfg, env=env) as app:
-            real = RealAppliance(app, marker, tmp)
-            real.groups = groups
-            try:
-                app.wait_for((tmp / "admin.key").exists, READY_TIMEOUT_S, "admin.key written")
-                real.admin_key = (tmp / "admin.key").read_text().strip()
-                app.wait_for(
-                    lambda: real.states() == ["READY", "READY"],
-                    READY_TIMEOUT_S,
-                    "chat and small engines READY",
-                )
-                yield real
-            finally:
-                print(f"\n[e2e] daemon log: {app.log_path}")
-    finally:
-        kill_run(marker, groups)
+    with serving(tmp, cfg, engines=2) as real:
+        yield real
 
 
 def chat(app: RealAppliance, content: str, max_tokens: int = 16) -> tuple[dict[str, Any], Any]:

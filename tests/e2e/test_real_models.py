@@ -10,25 +10,16 @@ from __future__ import annotations
 
 import math
 import os
-import secrets
 import signal
 import threading
-import time
 from collections.abc import Iterator
 
 import openai
 import pytest
 
 from appliance import paths
-from tests.e2e.conftest import (
-    READY_TIMEOUT_S,
-    RUN_MARKER,
-    RealAppliance,
-    kill_run,
-    missing_setup,
-    real_home,
-)
-from tests.fakes.appliance_proc import real_engine_config, run_appliance
+from tests.e2e.conftest import READY_TIMEOUT_S, RealAppliance, missing_setup, real_home, serving
+from tests.fakes.appliance_proc import real_engine_config
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 EMBED_MODEL = "all-minilm-l6-v2"
@@ -55,29 +46,9 @@ def two_models(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealApplian
         {"name": "chat", "aliases": ["gpt-4o-mini"], "model": "packaged:smollm2-135m-instruct"},
         {"name": "embed", "model": f"packaged:{EMBED_MODEL}"},
     ]
-    marker = secrets.token_hex(8)
-    groups: set[int] = set()
-    env = {"LLM_APPLIANCE_HOME": str(real_home()), RUN_MARKER: marker}
-    try:
-        with run_appliance(tmp, cfg, env=env) as app:
-            real = RealAppliance(app, marker, tmp)
-            real.groups = groups
-            started = time.monotonic()
-            try:
-                app.wait_for((tmp / "admin.key").exists, READY_TIMEOUT_S, "admin.key written")
-                real.admin_key = (tmp / "admin.key").read_text().strip()
-                app.wait_for(
-                    lambda: real.states() == ["READY", "READY"],
-                    READY_TIMEOUT_S,
-                    "chat and embed engines READY",
-                )
-                ready_s = real.timings["both_ready_s"] = time.monotonic() - started
-                print(f"\n[e2e] chat + embed engines READY after {ready_s:.1f} s")
-                yield real
-            finally:
-                print(f"\n[e2e] daemon log: {app.log_path}")
-    finally:
-        kill_run(marker, groups)
+    with serving(tmp, cfg, engines=2) as real:
+        print(f"\n[e2e] chat + embed engines READY after {real.timings['all_ready_s']:.1f} s")
+        yield real
 
 
 def client(app: RealAppliance, timeout: float = 60) -> openai.OpenAI:
