@@ -290,23 +290,9 @@ def _parse_model_key(
 ) -> bool:
     """Check one of a model's own keys; put the value in ``out``; False when it is bad."""
     path = f"{where}.{key}"
-    if key == "name":
-        bad = _name_problem(value)
-        if bad:
-            problems.append(f"{path} = {bad}")
-            return False
-        out[key] = value
-    elif key == "aliases":
-        if not isinstance(value, list):
-            problems.append(f"{path} = {_show(value)}: must be a list of names")
-            return False
-        for alias in value:
-            bad = _name_problem(alias)
-            if bad:
-                problems.append(f"{path}: {bad}")
-                return False
-        out[key] = tuple(value)
-    elif key == "model":
+    if key in ("name", "aliases"):
+        return _parse_names(path, key, value, out, problems)
+    if key == "model":
         if not isinstance(value, str):
             problems.append(f"{path} = {_show(value)}: must be a string")
             return False
@@ -332,6 +318,27 @@ def _parse_model_key(
         out[key] = value
     else:  # speculative
         return _parse_speculative(path, value, out, problems)
+    return True
+
+
+def _parse_names(path: str, key: str, value: Any, out: dict[str, Any], problems: list[str]) -> bool:
+    """A model's ``name`` (one name) or ``aliases`` (a list of them)."""
+    if key == "name":
+        bad = _name_problem(value)
+        if bad:
+            problems.append(f"{path} = {bad}")
+            return False
+        out[key] = value
+        return True
+    if not isinstance(value, list):
+        problems.append(f"{path} = {_show(value)}: must be a list of names")
+        return False
+    for alias in value:
+        bad = _name_problem(alias)
+        if bad:
+            problems.append(f"{path}: {bad}")
+            return False
+    out[key] = tuple(value)
     return True
 
 
