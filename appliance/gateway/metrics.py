@@ -216,10 +216,6 @@ class _LiveCollector(Collector):
         restarts = CounterMetricFamily(
             "appliance_engine_restarts", "Engine restarts, by reason", labels=["engine", "reason"]
         )
-        observed: list[tuple[Any, str]] = [
-            (family(name, text, labels=["engine"]), field)
-            for family, name, text, field in _OBSERVED
-        ]
         breaker = GaugeMetricFamily(
             "appliance_engine_kv_breaker_open",
             "1 while the KV-pressure breaker keeps new work away",
@@ -240,11 +236,20 @@ class _LiveCollector(Collector):
             for reason, n in sorted(e.restarts_by_reason.items()):
                 restarts.add_metric([eid, reason], n)
             breaker.add_metric([eid], 1.0 if adm.kv_tripped.get(e.id) else 0.0)
-            for fam, field in observed:
-                value = getattr(e, field)
-                if value is not None:
-                    fam.add_metric([eid], value)
-        yield from (info, state, inflight, tokens, restarts, *(f for f, _ in observed), breaker)
+        yield from (info, state, inflight, tokens, restarts, *_observed(status), breaker)
+
+
+def _observed(status: ApplianceStatus) -> list[Metric]:
+    """The last health check's vLLM figures, one family per figure (see _OBSERVED)."""
+    observed: list[tuple[Any, str]] = [
+        (family(name, text, labels=["engine"]), field) for family, name, text, field in _OBSERVED
+    ]
+    for e in status.engines:
+        for fam, field in observed:
+            value = getattr(e, field)
+            if value is not None:
+                fam.add_metric([str(e.id)], value)
+    return [f for f, _ in observed]
 
 
 def _gpus(status: ApplianceStatus) -> Iterator[Metric]:
