@@ -44,12 +44,15 @@ ROUTES_WITH_STREAM_USAGE = ("chat", "completions")
 # vLLM's usage event, as its pydantic models write it (model_dump_json, fields in their
 # declared order, exclude_none): the top-level fields before "choices" are matched one by
 # one, so "choices":[] and "usage" are the event's own, and the counts are the first
-# fields of UsageInfo. Any other shape (an escaped character in the id or model name,
-# other fields, another order) fails the match and goes through json.loads instead.
+# fields of the usage object, in UsageInfo's order (prompt, total, completion) or
+# OpenAI's (prompt, completion, total). Any other shape (an escaped character in the id
+# or model name, other fields, another order) fails the match and goes through json.loads.
+_N = rb"(0|[1-9]\d*)"  # a JSON count: no sign, no leading zero, no fraction (see [,}])
 _VLLM_USAGE = re.compile(
     rb'data: \{"id":"[^"\\]*","object":"[a-z_.]*","created":\d+,"model":"[^"\\]*",'
-    rb'"choices":\[\],"usage":\{"prompt_tokens":(\d+),"total_tokens":\d+,'
-    rb'"completion_tokens":(\d+)[,}]'
+    rb'"choices":\[\],"usage":\{"prompt_tokens":' + _N + rb","
+    rb'(?:"total_tokens":\d+,"completion_tokens":' + _N + rb"|"
+    rb'"completion_tokens":' + _N + rb',"total_tokens":\d+)[,}]'
 )
 # The fingerprint after it, when it is plain printable ASCII (as vLLM's is): then its
 # bytes are what json.dumps would write, and go back on the finishing events verbatim.
@@ -162,7 +165,7 @@ def _read_usage_event(payload: bytes) -> tuple[Usage, bytes | None] | None:
     ``usage``). vLLM's own shape is read off the bytes; any other is parsed."""
     m = _VLLM_USAGE.match(payload)
     if m is not None and payload.rstrip().endswith(b"}"):
-        usage = Usage(int(m[1]), int(m[2]))
+        usage = Usage(int(m[1]), int(m[2] or m[3]))
         at = payload.find(FINGERPRINT_KEY, m.end())
         if at < 0:
             return usage, None
