@@ -42,7 +42,7 @@ from appliance.gateway.models import UNKNOWN_MODEL, candidates
 from appliance.gateway.proxy import Relay
 from appliance.gateway.ratelimit import RateLimiter
 from appliance.gateway.server import BodyTimeout, ConnectionLimits, GatewayRunner, ensure_fd_room
-from appliance.gateway.splice import UpstreamPool
+from appliance.gateway.upstream_pool import UpstreamPool
 from appliance.gateway.usage import UsageBook, usage_path
 from appliance.policy.thermal import HARD_LEVEL
 
@@ -131,8 +131,8 @@ class Gateway:
         if session is None:
             # Many concurrent requests: aiohttp's default of 100 connections would queue
             # them. Idle connections are dropped after 2 s, before vLLM's own 5 s close can
-            # race a request sent on one (aiohttp does not retry a POST; splice.MAX_IDLE_S
-            # likewise).
+            # race a request sent on one (aiohttp does not retry a POST;
+            # upstream_pool.MAX_IDLE_S likewise).
             session = aiohttp.ClientSession(
                 connector=address.connector(limit=0, force_close=False, keepalive_timeout=2.0),
                 trust_env=False,

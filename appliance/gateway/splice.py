@@ -11,9 +11,10 @@ chunks are forwarded, so the client's stream always stops at a chunk (for vLLM: 
 event) boundary, where an error event can still be appended cleanly.
 
 Scope: one POST at a time per connection, to an engine on loopback that answers
-HTTP/1.1; connections are kept alive in a pool per engine. The relay (proxy.py) uses it
-for streamed requests from HTTP/1.1 clients; everything else goes through aiohttp's
-client. The HTTP/1.1 it reads and writes (heads, chunks, the request) is in http1.py.
+HTTP/1.1; connections are kept alive in a pool per engine (upstream_pool.py). The
+relay (proxy.py) uses it for streamed requests from HTTP/1.1 clients; everything else
+goes through aiohttp's client. The HTTP/1.1 it reads and writes (heads, chunks, the
+request) is in http1.py.
 
 Flow control: when a client does not read, its transport's buffer grows; above
 ``HIGH_WATER`` the engine connection stops reading (so the engine's socket fills and
@@ -23,11 +24,9 @@ its own flow control holds tokens back) until the buffer is below ``LOW_WATER``.
 from __future__ import annotations
 
 import asyncio
-import collections
 import enum
 from typing import cast
 
-from appliance.endpoint import EngineAddress
 from appliance.gateway.http1 import (
     MAX_HEAD_BYTES,
     AnswerTooLarge,
@@ -42,12 +41,6 @@ from appliance.gateway.usage_events import StreamTap
 HIGH_WATER = 256 * 1024
 LOW_WATER = 64 * 1024
 MAX_BODY_BYTES = 64 * 1024 * 1024  # a non-streamed answer (an error body) read whole
-MAX_IDLE_PER_ENGINE = 1024
-# vLLM's server closes a connection idle for 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE): reusing
-# one near that age races its close, and the request would fail as if the engine had.
-# Idle longer than this, a connection is closed instead of reused.
-MAX_IDLE_S = 2.0
-CONNECT_TIMEOUT_S = 5.0
 DRAIN_POLL_S = 0.02
 
 
@@ -346,59 +339,3 @@ class UpstreamConnection(asyncio.Protocol):
         if self._collected_bytes > self._body_limit:
             self._collected.clear()  # the count stays: read_body says why
             raise UpstreamError("the engine's answer is too large")
-
-
-class UpstreamPool:
-    """Keep-alive connections to the engines, per engine address (socket or port)."""
-
-    def __init__(self) -> None:
-        self._idle: collections.defaultdict[
-            EngineAddress, collections.deque[UpstreamConnection]
-        ] = collections.defaultdict(collections.deque)
-
-    async def acquire(self, address: EngineAddress) -> UpstreamConnection:
-        idle = self._idle[address]
-        loop = asyncio.get_running_loop()
-        fresh_after = loop.time() - MAX_IDLE_S
-        while idle:
-            conn = idle.pop()  # the most recently used first
-            if conn.transport is None or conn.transport.is_closing():
-                continue
-            if conn.idle_since < fresh_after:
-                # This one and all older ones are too close to the engine's own close.
-                conn.transport.close()
-                while idle:
-                    old = idle.popleft()
-                    if old.transport is not None:
-                        old.transport.close()
-                break
-            return conn
-        try:
-            _, protocol = await asyncio.wait_for(
-                address.connect(UpstreamConnection), CONNECT_TIMEOUT_S
-            )
-            conn = cast(UpstreamConnection, protocol)
-        except TimeoutError:
-            raise UpstreamError("timeout connecting to the engine", timed_out=True) from None
-        except OSError as exc:
-            raise UpstreamError(f"cannot connect to the engine ({type(exc).__name__})") from None
-        return conn
-
-    def release(self, address: EngineAddress, conn: UpstreamConnection) -> None:
-        """Back to the pool when its answer was read whole; closed otherwise (which, in
-        the middle of an answer, is what makes vLLM abort the generation)."""
-        if conn.transport is None:
-            return
-        idle = self._idle[address]
-        if conn.finished and len(idle) < MAX_IDLE_PER_ENGINE:
-            conn.idle_since = asyncio.get_running_loop().time()
-            idle.append(conn)
-        else:
-            conn.transport.close()
-
-    def close(self) -> None:
-        for idle in self._idle.values():
-            while idle:
-                conn = idle.pop()
-                if conn.transport is not None:
-                    conn.transport.close()

@@ -17,7 +17,8 @@ from aiohttp import web
 from appliance.gateway.answers import EngineCall, end_with_error_event, read_whole, stream_response
 from appliance.gateway.failures import RETRYABLE_STATUS, EngineFailure, failure_if_abandoned
 from appliance.gateway.http1 import Head, UpstreamError, request_bytes
-from appliance.gateway.splice import UpstreamConnection, UpstreamPool
+from appliance.gateway.splice import UpstreamConnection
+from appliance.gateway.upstream_pool import UpstreamPool
 from appliance.gateway.usage_events import StreamTap
 
 if TYPE_CHECKING:

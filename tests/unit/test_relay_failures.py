@@ -24,11 +24,12 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from appliance.config import Config, EngineConfig
 from appliance.endpoint import EngineAddress
-from appliance.gateway import splice
+from appliance.gateway import upstream_pool
 from appliance.gateway.errors import GatewayError
 from appliance.gateway.http1 import UpstreamError
 from appliance.gateway.proxy import Relay
-from appliance.gateway.splice import UpstreamConnection, UpstreamPool
+from appliance.gateway.splice import UpstreamConnection
+from appliance.gateway.upstream_pool import UpstreamPool
 
 # The handler stores the caller's key record under a plain string, as the gateway's
 # middleware does (appliance/gateway/app.py), which aiohttp warns about.
@@ -164,7 +165,7 @@ async def test_a_refused_connection_is_502(stream: bool) -> None:
 
 
 async def test_a_connect_timeout_is_504_on_the_splice_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(splice, "CONNECT_TIMEOUT_S", 0.05)
+    monkeypatch.setattr(upstream_pool, "CONNECT_TIMEOUT_S", 0.05)
     async with relay_client(FakeGateway(SilentAddress(port=9))) as (client, _):
         status, error = await ask(client, stream=True)
     assert status == 504
@@ -220,7 +221,7 @@ async def test_an_abandoned_engine_is_502_even_when_the_why_says_timeout(stream:
 
 
 async def test_the_pool_says_a_connect_timeout_timed_out(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(splice, "CONNECT_TIMEOUT_S", 0.05)
+    monkeypatch.setattr(upstream_pool, "CONNECT_TIMEOUT_S", 0.05)
     with pytest.raises(UpstreamError, match="timeout connecting to the engine") as timed:
         await UpstreamPool().acquire(SilentAddress(port=9))
     assert timed.value.timed_out

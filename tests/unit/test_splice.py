@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from appliance.endpoint import EngineAddress
-from appliance.gateway import splice
+from appliance.gateway import splice, upstream_pool
 from appliance.gateway.http1 import (
     UpstreamError,
     is_whole_chunks,
@@ -24,7 +24,7 @@ from appliance.gateway.http1 import (
     request_bytes,
     scan_chunks,
 )
-from appliance.gateway.splice import UpstreamPool
+from appliance.gateway.upstream_pool import UpstreamPool
 
 OK_HEAD = (
     b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
@@ -347,7 +347,7 @@ async def test_client_that_does_not_read_pauses_the_engine_connection(
 
 async def test_a_connection_idle_too_long_is_not_reused(monkeypatch: pytest.MonkeyPatch) -> None:
     """vLLM closes idle connections after 5 s: reusing one near that age races the close."""
-    monkeypatch.setattr(splice, "MAX_IDLE_S", 0.1)
+    monkeypatch.setattr(upstream_pool, "MAX_IDLE_S", 0.1)
     answer: list[bytes | None] = [b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"]
     async with engine([list(answer), list(answer), list(answer)]) as eng:
         pool = UpstreamPool()
