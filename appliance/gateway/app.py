@@ -6,6 +6,7 @@ engine commands (``EngineCommands``), and tells the supervisor how much work sit
 each engine through the link it implements (:class:`Gateway` is a ``GatewayLink``). It
 never imports the supervisor. One middleware does, for every request: authentication
 and scope, turning every refusal into an OpenAI-shaped error, and the request metrics.
+``/healthz``, ``/readyz`` and ``/metrics`` are answered in :mod:`.probes`.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from appliance.audit import AuditLog
 from appliance.control import Appliance
@@ -39,24 +39,17 @@ from appliance.gateway.keys import (
 )
 from appliance.gateway.metrics import GatewayMetrics
 from appliance.gateway.models import UNKNOWN_MODEL, candidates
+from appliance.gateway.probes import KEYS_UNUSABLE, Probes
 from appliance.gateway.proxy import Relay
 from appliance.gateway.ratelimit import RateLimiter
 from appliance.gateway.server import BodyTimeout, ConnectionLimits, GatewayRunner, ensure_fd_room
 from appliance.gateway.upstream_pool import UpstreamPool
 from appliance.gateway.usage import UsageBook, usage_path
-from appliance.policy.thermal import HARD_LEVEL
 
 log = logging.getLogger("appliance.gateway")
 
 GATEWAY: web.AppKey[Gateway] = web.AppKey("gateway")
-LOOP_STALL_S = 10.0  # a main loop that has not ticked for this long is not "alive"
 BEARER = "bearer "
-# What clients and /readyz are told while the keys file cannot be used; the journal (and
-# check-config, doctor) name the file and the problem.
-KEYS_UNUSABLE = (
-    "the server's keys file cannot be used, so no API key can be checked until the "
-    "admin fixes it (the server's journal says what is wrong)"
-)
 
 
 class ListenError(ApplianceError):
@@ -263,75 +256,6 @@ async def gateway_middleware(request: web.Request, handler: Any) -> web.StreamRe
         gw.metrics.duration.labels(route, model).observe(time.monotonic() - started)
 
 
-# ---- handlers ------------------------------------------------------------------------
-async def healthz(request: web.Request) -> web.Response:
-    appliance = request.app[GATEWAY].appliance
-    if time.monotonic() - appliance.last_tick > LOOP_STALL_S:
-        return web.json_response({"status": "stalled"}, status=503)
-    return web.json_response({"status": "ok"})
-
-
-async def readyz(request: web.Request) -> web.Response:
-    """200 only while some engine can take a new request now and keys can be checked;
-    else 503 and why not. Either way the body says which models are ready or down."""
-    gw = request.app[GATEWAY]
-    accepting = gw.appliance.accepting
-    keys_problem = gw.keys.problem
-    ready = [s.id for s in gw.appliance.engines() if s.state.accepts_work]
-    loads = gw.admission.loads()
-    admitting = [load.id for load in loads if load.accepting]
-    models = models_ready(gw, set(admitting))
-    if accepting and admitting and keys_problem is None:
-        return web.json_response(
-            {
-                "status": "ready",
-                "engines_ready": ready,
-                "engines_admitting": admitting,
-                "models": models,
-            }
-        )
-    body: dict[str, Any] = {"status": "stopping"}
-    if accepting:
-        body["status"] = "keys file unusable" if keys_problem is not None else "not admitting"
-        if keys_problem is not None:
-            body["keys"] = KEYS_UNUSABLE
-        body["reasons"] = {str(e): why for e, why in not_admitting(gw).items()}
-    body |= {"engines_ready": ready, "engines_admitting": admitting, "models": models}
-    return web.json_response(body, status=503, headers={"Retry-After": "5"})
-
-
-def models_ready(gw: Gateway, admitting: set[int]) -> dict[str, str]:
-    """Each served model: "ready" while one of its engines admits new work, else "down"."""
-    engines = gw.appliance.engines()
-    return {
-        m.name: ("ready" if any(e.id in admitting for e in candidates(m.name, engines)) else "down")
-        for m in gw.appliance.config.served
-    }
-
-
-def not_admitting(gw: Gateway) -> dict[int, str]:
-    """Why each engine takes no new request now, in words an operator can act on."""
-    out: dict[int, str] = {}
-    for snap in gw.appliance.engines():
-        if snap.state is not EngineState.READY:
-            out[snap.id] = {
-                "STARTING": "starting (loading the model)",
-                "SUSPECT": "failed its last health check",
-                "DRAINING": "draining",
-            }.get(snap.state.value, snap.state.value.lower())
-        elif gw.admission.kv_tripped.get(snap.id, False):
-            out[snap.id] = "KV cache breaker open (KV cache nearly full)"
-        elif gw.admission.throttle_level.get(snap.id, 0) >= HARD_LEVEL:
-            out[snap.id] = "throttled by heat (GPU at the hard limit)"
-    return out
-
-
-async def metrics(request: web.Request) -> web.Response:
-    gw = request.app[GATEWAY]
-    body = generate_latest(gw.metrics.registry)
-    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-
 def create_app(appliance: Appliance, audit: AuditLog | None = None) -> web.Application:
     """The gateway's app over ``appliance``; ``app[GATEWAY]`` is its link for the supervisor
     (connected by :mod:`appliance.serve`, the only place that knows both sides)."""
@@ -343,9 +267,7 @@ def create_app(appliance: Appliance, audit: AuditLog | None = None) -> web.Appli
     )
     app[GATEWAY] = gw
     r = app.router
-    r.add_get("/healthz", healthz)
-    r.add_get("/readyz", readyz)
-    r.add_get("/metrics", metrics)
+    Probes(gw).add_routes(r)  # /healthz, /readyz, /metrics
     r.add_get("/v1/models", gw.relay.models)
     r.add_post("/v1/chat/completions", gw.relay.chat)
     r.add_post("/v1/completions", gw.relay.completions)
