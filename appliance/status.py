@@ -3,6 +3,7 @@
 With several models (``[[models]]``) the engines table comes in one block per model, each
 under a line saying whether the model is ready (some engine READY) or DOWN; each engine's
 GPUs read "0,1" when it spans several (tensor parallel). ``--json`` prints the document.
+The table is drawn in :mod:`appliance.status_table`.
 
 It reads ``GET /admin/status`` (scope admin). The key comes from ``--key``, else
 ``$LLM_APPLIANCE_KEY``, else the ``admin.key`` that first start wrote beside the keys
@@ -36,6 +37,7 @@ from typing import Any
 
 from appliance.config import load_config
 from appliance.gateway.keys import parse_key_id
+from appliance.status_table import render_table
 
 ADMIN_KEY_MAX_BYTES = 4096
 ROLE_ADMIN_KEY_FILE = Path("/root/llm-appliance-admin.key")
@@ -198,136 +200,6 @@ def fetch_status(
     with urllib.request.urlopen(req, timeout=timeout, context=context) as resp:
         data: dict[str, Any] = json.loads(resp.read())
     return data
-
-
-def _fmt(value: Any, suffix: str = "") -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.2f}{suffix}" if value < 10 else f"{value:.0f}{suffix}"
-    return f"{value}{suffix}"
-
-
-ENGINE_COLUMNS = (
-    "ENGINE",
-    "GPU",
-    "PORT",
-    "STATE",
-    "INFLIGHT",
-    "THROTTLE",
-    "TEMP",
-    "KV",
-    "RESTARTS",
-    "LAST RESTART",
-)
-
-
-def engine_model(e: dict[str, Any]) -> str:
-    """The model an engine serves; "" from a daemon older than models (no ``model``)."""
-    return str(e.get("model") or e.get("served_model_name") or "")
-
-
-def engine_gpus(e: dict[str, Any]) -> str:
-    """Its GPUs as "0,1" (tensor parallel), "0", or "-" on CPU. A daemon older than
-    models sends only ``gpu``, the first one."""
-    gpus = e.get("gpus")
-    if gpus:
-        return ",".join(str(g) for g in gpus)
-    return _fmt(e.get("gpu"))
-
-
-def group_by_model(engines: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
-    """Engines per model, models in the order their first engine comes (the config's)."""
-    groups: dict[str, list[dict[str, Any]]] = {}
-    for e in engines:
-        groups.setdefault(engine_model(e), []).append(e)
-    return groups
-
-
-def model_heading(name: str, engines: list[dict[str, Any]]) -> str:
-    """``model chat: ready, 1/2 engines READY``: ready while some engine is READY (it can
-    take the model's requests), else DOWN (its requests get 503 or go to its fallback)."""
-    n_ready = sum(e["state"] == "READY" for e in engines)
-    return f"model {name}: {'ready' if n_ready else 'DOWN'}, {n_ready}/{len(engines)} engines READY"
-
-
-def _engine_row(e: dict[str, Any]) -> tuple[str, ...]:
-    return (
-        str(e["id"]),
-        engine_gpus(e),
-        _fmt(e.get("port")),  # null when the engine listens on a Unix socket
-        e["state"],
-        str(e["inflight"]),
-        str(e["throttle_level"]),
-        _fmt(e["temperature_c"], "C"),
-        _fmt(e.get("kv_cache_usage")),
-        str(e["restarts"]),
-        e["last_restart_reason"] or "-",
-    )
-
-
-def _engine_lines(doc: dict[str, Any]) -> list[str]:
-    """The engines table; with several models, one block per model under its heading
-    (columns aligned across the blocks). One model: a single table, as before models."""
-    rows = [_engine_row(e) for e in doc["engines"]]
-    widths = [max(len(r[i]) for r in [ENGINE_COLUMNS, *rows]) for i in range(len(ENGINE_COLUMNS))]
-
-    def line(r: tuple[str, ...]) -> str:
-        return "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
-
-    groups = group_by_model(doc["engines"])
-    if len(groups) <= 1:
-        return [line(ENGINE_COLUMNS), *(line(r) for r in rows)]
-    out: list[str] = []
-    for name, engines in groups.items():
-        if out:
-            out.append("")
-        out += [model_heading(name or "(unnamed)", engines), line(ENGINE_COLUMNS)]
-        out += [line(_engine_row(e)) for e in engines]
-    return out
-
-
-def _engine_notes(engines: list[dict[str, Any]]) -> list[str]:
-    """After the table, one line per engine that has more to say: speculative decoding's
-    acceptance over the last minute, and why a FAILED engine's process exited."""
-    notes = []
-    for e in engines:
-        rate, length = e.get("spec_acceptance_rate"), e.get("spec_mean_accepted_length")
-        if rate is not None or length is not None:
-            shown_rate = "-" if rate is None else f"{rate:.0%}"
-            shown_len = "-" if length is None else f"{length:.2f}"
-            notes.append(
-                f"engine {e['id']} speculation (last minute): acceptance {shown_rate}, "
-                f"mean accepted length {shown_len}"
-            )
-        if e["state"] == "FAILED" and e.get("last_exit"):
-            notes.append(f"engine {e['id']} FAILED: {e['last_exit']}")
-    return ["", *notes] if notes else []
-
-
-def render_table(doc: dict[str, Any]) -> str:
-    head = (
-        f"llm-appliance {doc['version']} on {doc['device']}: "
-        f"{'ready' if doc['ready'] else 'NOT READY'}"
-        f"{'' if doc['accepting'] else ' (stopping)'}, queue {doc['queue_depth']}, "
-        f"up {doc['uptime_s']:.0f} s"
-    )
-    out = [head, "", *_engine_lines(doc), *_engine_notes(doc["engines"])]
-    if doc["gpus"]:
-        out += ["", "GPU  TEMP  POWER       MEM USED  UTIL  LEVEL  CLOCK EVENTS"]
-        for g in doc["gpus"]:
-            power = f"{_fmt(g['power_w'])}/{_fmt(g['power_limit_w'])}W"
-            mem = (
-                "-"
-                if g["memory_used_bytes"] is None
-                else f"{g['memory_used_bytes'] / 2**30:.1f}GiB"
-            )
-            out.append(
-                f"{g['index']:<4} {_fmt(g['temperature_c'], 'C'):<5} {power:<11} "
-                f"{mem:<9} {_fmt(g['utilization']):<5} {g['throttle_level']:<6} "
-                f"{','.join(g['throttle_reasons']) or '-'}"
-            )
-    return "\n".join(out)
 
 
 def _target(args: argparse.Namespace) -> Target:
