@@ -85,7 +85,12 @@ def _check_gpus(cfg: Config, problems: list[str]) -> None:
                 f"{_label(i, m)}.gpus = {list(m.gpus)!r}: {len(m.gpus)} GPU(s) is not a "
                 f"multiple of tensor_parallel_size = {tp} (each engine takes {tp})"
             )
-        if tp > 1 and cfg.engine.device == "cpu":
+        if m.gpus and cfg.engine.device == "cpu":
+            problems.append(
+                f'{_label(i, m)}.gpus: a GPU list needs engine.device = "cuda" or '
+                '"auto" (with device = "cpu" use cpu_engines)'
+            )
+        elif tp > 1 and cfg.engine.device == "cpu":
             problems.append(
                 f"{_label(i, m)}.tensor_parallel_size = {tp}: needs GPUs "
                 '(engine.device = "cpu"); on CPU use cpu_engines'

@@ -106,6 +106,11 @@ BAD: list[tuple[str, dict[str, Any], list[str]]] = [
         ['models[0] ("chat").tensor_parallel_size = 2', 'engine.device = "cpu"', "cpu_engines"],
     ),
     (
+        "gpus with device cpu",
+        models(chat(gpus=[0]), engine=CPU),
+        ['models[0] ("chat").gpus', 'engine.device = "cuda" or "auto"', "cpu_engines"],
+    ),
+    (
         "tp > 1 without gpus on cuda",
         models(chat(tensor_parallel_size=2), engine={"device": "cuda"}),
         ['models[0] ("chat").tensor_parallel_size = 2', "gpus"],
