@@ -41,7 +41,18 @@ from appliance.gateway.usage import UsageFileError, read_usage, usage_path
 # Explicit ASCII ranges (never \d, which takes any Unicode digit); longer numbers are out
 # of every bound anyway.
 _ASCII_NUMBER = re.compile(r"[0-9]{1,12}(?:\.[0-9]{1,6})?")
-COLUMNS = ("ID", "NAME", "SCOPES", "RPM", "TPM", "PRIORITY", "EXPIRES", "CREATED", "STATUS")
+COLUMNS = (
+    "ID",
+    "NAME",
+    "SCOPES",
+    "RPM",
+    "TPM",
+    "PRIORITY",
+    "FALLBACK",
+    "EXPIRES",
+    "CREATED",
+    "STATUS",
+)
 
 
 def _number(text: str | None) -> int | float | str | None:
@@ -145,6 +156,7 @@ def cmd_list(args: argparse.Namespace) -> int:
             "-" if r.rpm is None else str(r.rpm),
             "-" if r.tpm is None else str(r.tpm),
             r.priority,
+            "yes" if r.fallback else "no",  # no: always waits for the model it names
             _when(r.expires_at),
             _when(r.created_at),
             _status(r, now),

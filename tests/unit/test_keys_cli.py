@@ -182,7 +182,17 @@ def test_create_rejects_a_bad_name(run: Run, keys_path: Path) -> None:
 def test_list_rows_start_with_the_id_and_never_show_a_secret(run: Run) -> None:
     _, out1, _ = run("keys", "create", "--name", "alice")
     _, out2, _ = run(
-        "keys", "create", "--name", "ops", "--scope", "admin", "--rpm", "10", "--expires-days", "3"
+        "keys",
+        "create",
+        "--name",
+        "ops",
+        "--scope",
+        "admin",
+        "--rpm",
+        "10",
+        "--expires-days",
+        "3",
+        "--no-fallback",
     )
     keys = [out1.strip(), out2.strip()]
     ids = [k.split("-")[2] for k in keys]
@@ -198,6 +208,7 @@ def test_list_rows_start_with_the_id_and_never_show_a_secret(run: Run) -> None:
         "RPM",
         "TPM",
         "PRIORITY",
+        "FALLBACK",
         "EXPIRES",
         "CREATED",
         "STATUS",
@@ -207,6 +218,8 @@ def test_list_rows_start_with_the_id_and_never_show_a_secret(run: Run) -> None:
     assert [row.split()[0] for row in rows] == ids
     assert "alice" in rows[0] and "active" in rows[0] and "never" in rows[0]
     assert "ops" in rows[1] and "admin" in rows[1] and "10" in rows[1]
+    fallback = header.index("FALLBACK")
+    assert [row[fallback : fallback + 3].strip() for row in rows] == ["yes", "no"]
     for key in keys:
         assert key not in out
         assert key.split("-", 3)[3] not in out
