@@ -169,39 +169,12 @@ def appliance(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealApplianc
     if reason is not None:
         pytest.skip(reason)
     tmp = tmp_path_factory.mktemp("e2e")
-    cfg = real_engine_config(tmp, 2)
-    marker = secrets.token_hex(8)
-    groups: set[int] = set()
-    env = {"LLM_APPLIANCE_HOME": str(real_home()), RUN_MARKER: marker}
-    try:
-        with run_appliance(tmp, cfg, env=env) as app:
-            real = RealAppliance(app, marker, tmp)
-            real.groups = groups
-            started = time.monotonic()
-            try:
-                app.wait_ready(READY_TIMEOUT_S)
-                real.timings["ready_s"] = time.monotonic() - started
-                key_file = tmp / "admin.key"
-                app.wait_for(key_file.exists, 10, "admin.key written")
-                real.admin_key = key_file.read_text().strip()
-                # readyz turns 200 with the first READY engine; the tests want both.
-                app.wait_for(
-                    lambda: real.states() == ["READY", "READY"],
-                    READY_TIMEOUT_S - real.timings["ready_s"],
-                    "both engines READY",
-                )
-                real.timings["both_ready_s"] = time.monotonic() - started
-                print(
-                    f"\n[e2e] readyz 200 after {real.timings['ready_s']:.1f} s, "
-                    f"both engines READY after {real.timings['both_ready_s']:.1f} s"
-                )
-                yield real
-            finally:
-                print(f"\n[e2e] daemon log: {app.log_path}")
-    finally:
-        leftovers = kill_run(marker, groups)
-        if leftovers:
-            print(f"\n[e2e] teardown killed leftover processes of this run: {leftovers}")
+    with serving(tmp, real_engine_config(tmp, 2), engines=2) as real:
+        print(
+            f"\n[e2e] readyz 200 after {real.timings['ready_s']:.1f} s, "
+            f"both engines READY after {real.timings['all_ready_s']:.1f} s"
+        )
+        yield real
 
 
 @contextlib.contextmanager
@@ -217,11 +190,13 @@ def serving(tmp: Path, cfg: dict[str, Any], engines: int) -> Iterator[RealApplia
             real.groups = groups
             started = time.monotonic()
             try:
-                app.wait_for((tmp / "admin.key").exists, READY_TIMEOUT_S, "admin.key written")
+                app.wait_ready(READY_TIMEOUT_S)  # /readyz: 200 with the first READY engine
+                real.timings["ready_s"] = time.monotonic() - started
+                app.wait_for((tmp / "admin.key").exists, 10, "admin.key written")
                 real.admin_key = (tmp / "admin.key").read_text().strip()
                 app.wait_for(
                     lambda: real.states() == ["READY"] * engines,
-                    READY_TIMEOUT_S,
+                    READY_TIMEOUT_S - real.timings["ready_s"],
                     f"{engines} engine(s) READY",
                 )
                 real.timings["all_ready_s"] = time.monotonic() - started
@@ -229,4 +204,6 @@ def serving(tmp: Path, cfg: dict[str, Any], engines: int) -> Iterator[RealApplia
             finally:
                 print(f"\n[e2e] daemon log: {app.log_path}")
     finally:
-        kill_run(marker, groups)
+        leftovers = kill_run(marker, groups)
+        if leftovers:
+            print(f"\n[e2e] teardown killed leftover processes of this run: {leftovers}")
