@@ -38,8 +38,6 @@ SETUP_HINT = "run `llm-appliance setup` (or `scripts/setup` in a checkout) to cr
 class EnginePlan:
     device: str  # "cuda" | "cpu"
     python: str
-    model: str  # the first model's path or id (what the start log names with one model)
-    served_model_name: str  # the first model's name
     specs: tuple[EngineSpec, ...]
     boot_id: str
     # CPU engines: the dtype they get and why (None on GPU, or when engine.command
@@ -115,13 +113,6 @@ def resolve_model(
             f"{key} = {served.model!r}: no such folder (models are never downloaded at run time)"
         )
     return path if _looks_like_path(served.model) else served.model
-
-
-def resolve_python_and_model(config: Config, home: Path) -> tuple[str, str]:
-    """The engine python and the first model's path (one-model callers: doctor, tests)."""
-    first = config.served[0]
-    need_model = not first.engine.command or _uses(first.engine, "model")
-    return resolve_python(config, home), resolve_model(first, home, check=need_model)
 
 
 def speculative_json(served: ServedModel, home: Path) -> str:
@@ -202,12 +193,9 @@ def plan_engines(
         _spec(ctx, i, m, gpus, model_paths[m.name], binds[i], core_sets[i])
         for i, (m, gpus) in enumerate(groups)
     ]
-    first = config.served[0]
     return EnginePlan(
         device,
         python,
-        model_paths[first.name],
-        first.name,
         tuple(specs),
         boot_id,
         cpu_dtype,

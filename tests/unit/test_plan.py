@@ -122,10 +122,10 @@ def test_default_plan_uses_what_setup_made(home: Path) -> None:
     p = plan({}, home)
     (spec,) = p.specs
     assert p.python == str(paths.engine_python(home))
-    assert p.model == str(paths.packaged_model(home))
+    assert p.model_paths == {"smollm2-135m-instruct": str(paths.packaged_model(home))}
     assert spec.argv[0] == p.python
-    assert option(spec.argv, "--model") == p.model
-    assert p.served_model_name == paths.PACKAGED_MODEL_NAME == "smollm2-135m-instruct"
+    assert option(spec.argv, "--model") == str(paths.packaged_model(home))
+    assert paths.PACKAGED_MODEL_NAME == "smollm2-135m-instruct"
     assert option(spec.argv, "--served-model-name") == paths.PACKAGED_MODEL_NAME
     assert spec.served_model_name == paths.PACKAGED_MODEL_NAME
     assert spec.env["HF_HUB_OFFLINE"] == "1"
@@ -133,7 +133,7 @@ def test_default_plan_uses_what_setup_made(home: Path) -> None:
 
 def test_served_model_name_override(home: Path) -> None:
     p = plan({"engine": {"served_model_name": "chat"}}, home)
-    assert p.served_model_name == "chat"
+    assert p.specs[0].served_model_name == "chat"
     assert option(p.specs[0].argv, "--served-model-name") == "chat"
 
 
@@ -202,11 +202,11 @@ def test_explicit_model_folder_and_model_id(home: Path, tmp_path: Path) -> None:
     folder.mkdir()
     p = plan({"engine": {"model": str(folder)}}, home)
     assert option(p.specs[0].argv, "--model") == str(folder)
-    assert p.served_model_name == "qwen2.5-0.5b-instruct"
+    assert p.specs[0].served_model_name == "qwen2.5-0.5b-instruct"
     # A model id is left to vLLM's local cache (offline); it is not checked here.
     p = plan({"engine": {"model": "Org/Some-Model"}}, home)
     assert option(p.specs[0].argv, "--model") == "Org/Some-Model"
-    assert p.served_model_name == "some-model"
+    assert p.specs[0].served_model_name == "some-model"
 
 
 def test_model_path_with_tilde_reaches_vllm_expanded(
