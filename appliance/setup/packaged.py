@@ -27,10 +27,10 @@ import os
 import shutil
 import time
 import zipfile
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Protocol
+from typing import Any, Protocol
 
 from appliance import paths
 from appliance.setup.engine_venv import Runner, SetupError, write_json_atomic
@@ -74,17 +74,20 @@ class NamesModel(Protocol):
 
     @property
     def model(self) -> str | None: ...
+    @property
+    def speculative(self) -> Mapping[str, Any]: ...
 
 
 def packaged_names(default_model: str | None, models: Sequence[NamesModel]) -> list[str]:
     """The packaged models a config serves, each once, in the config's order.
 
     ``default_model`` is ``[engine].model``: the one model without ``[[models]]`` tables,
-    and the model of every table that names none. "" is the packaged SmolLM2. Names
+    and the model of every table that names none. "" is the packaged SmolLM2. A table's
+    draft model (``speculative.model = "packaged:NAME"``) follows its own model. Names
     that are not packaged models are kept (check-config refuses them; set-up says so).
     """
     named: Iterable[str | None] = (
-        [m.model if m.model is not None else default_model for m in models]
+        [name for m in models for name in _named_by(m, default_model)]
         if models
         else [default_model]
     )
@@ -94,6 +97,15 @@ def packaged_names(default_model: str | None, models: Sequence[NamesModel]) -> l
         if name is not None and name not in found:
             found.append(name)
     return found
+
+
+def _named_by(table: NamesModel, default_model: str | None) -> list[str | None]:
+    """The model a table serves, then its draft model when that is a packaged one."""
+    served = table.model if table.model is not None else default_model
+    draft = table.speculative.get("model")
+    if isinstance(draft, str) and paths.packaged_name(draft) is not None:
+        return [served, draft]
+    return [served]
 
 
 # --- preparing one ---------------------------------------------------------------------

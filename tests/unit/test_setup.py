@@ -14,7 +14,7 @@ import subprocess
 import sys
 import zipfile
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -843,9 +843,11 @@ class Table:
     """Stand-in for a [[models]] table (appliance.config.ModelConfig)."""
 
     model: str | None
+    speculative: dict[str, Any] = field(default_factory=dict)
 
 
 SMOL = paths.PACKAGED_MODEL_NAME
+DRAFT_SMOL = {"method": "draft_model", "model": "packaged:smollm2-135m-instruct"}
 
 
 @pytest.mark.parametrize(
@@ -859,6 +861,10 @@ SMOL = paths.PACKAGED_MODEL_NAME
         ("", [Table("packaged:all-minilm-l6-v2")] * 2, [MINILM]),  # each once
         ("", [Table("packaged:no-such")], ["no-such"]),  # check-config refuses it
         ("", [Table("")], [SMOL]),
+        # a packaged draft model is prepared too, after the model it drafts for
+        ("/srv/x", [Table("packaged:all-minilm-l6-v2", DRAFT_SMOL)], [MINILM, SMOL]),
+        ("/srv/x", [Table(None, {"method": "draft_model", "model": "/srv/d"})], []),
+        ("/srv/x", [Table(None, {"method": "ngram", "num_speculative_tokens": 4})], []),
     ],
 )
 def test_packaged_names(default: str, tables: list[Table], expect: list[str]) -> None:
