@@ -83,6 +83,9 @@ class HealthWatch:
             return None
         self.history = HealthHistory(0, obs.generation_tokens)
         self.observed = obs
+        # The window's first sample: a request answered before the first check must count.
+        self.spec_samples.clear()
+        self._keep_spec_sample(obs)
         await self._inbox.busy(self._process.remember_tree())
         return True
 
