@@ -17,27 +17,12 @@ import pytest
 from appliance.config import parse_config
 from appliance.control import CommandResult
 from appliance.health import Observation
-from appliance.supervisor.commands import Command, Probe, ProcessHandle
+from appliance.supervisor.commands import Command, Probe
 from appliance.supervisor.inbox import Inbox
 from appliance.supervisor.watch import HealthWatch
+from tests.unit.test_engine_runner import FakeProcess
 
 CONFIG = parse_config({})
-
-
-class Process:
-    """A live engine process whose listener is its own."""
-
-    api_key = "engine-key"
-    returncode = None
-
-    async def listener_is_ours(self) -> bool | None:
-        return True
-
-    async def remember_tree(self) -> None:
-        pass
-
-    async def sample_tree(self) -> int | None:
-        return None
 
 
 class SpeculatingProbe:
@@ -71,7 +56,7 @@ def refuse(command: Command) -> CommandResult:
 
 def watch_of(probe: SpeculatingProbe) -> HealthWatch:
     return HealthWatch(
-        cast(ProcessHandle, Process()),
+        FakeProcess(),  # not started: no exit yet, and its listener is its own
         cast(Probe, probe),
         Inbox(refuse),
         lambda: CONFIG,
