@@ -56,7 +56,9 @@ def tiny_kv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealAppliance]
             "leak_hold_s": 20,
             "baseline_warmup_s": 0,
         },
-        restart={"drain_timeout_s": 120},
+        # Room for the long streams to finish on a slow shared machine (37-56 s on a quiet
+        # one): a drain that runs out cuts streams that already sent bytes.
+        restart={"drain_timeout_s": 300},
     )
     marker = secrets.token_hex(8)
     groups: set[int] = set()
@@ -154,6 +156,7 @@ def test_real_preemptions_drain_and_restart_with_zero_client_failures(
         f"requests, {len(failures)} failed; engine0 {engine0['restarts_by_reason']}"
     )
     assert failures == [], failures[:5]
+    assert "of draining; restarting anyway" not in log  # the drain ran out: too slow a box
     assert heavy_errors == [], heavy_errors[:3]  # drained: the long ones finished too
     assert engine0["last_restart_reason"] == "degraded"
     assert "degraded (preemption_storm" in log
