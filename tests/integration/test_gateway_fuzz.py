@@ -422,6 +422,9 @@ def test_fuzzed_requests_never_get_a_5xx_of_the_gateway_own(fz: Fuzz) -> None:
         max_examples=EXAMPLES,
         deadline=None,
         database=None,
+        # New inputs each run on purpose (a fuzzer that repeats itself finds nothing new);
+        # a failure prints the @reproduce_failure line that replays it exactly.
+        print_blob=True,
         suppress_health_check=[
             HealthCheck.too_slow,
             HealthCheck.data_too_large,
