@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -37,11 +38,62 @@ FAKE_ENGINE_PATH = str(Path(__file__).resolve().with_name("fake_engine.py"))
 DEFAULT_MODEL_NAME = "smollm2"
 
 
+# Ports handed out by this process, never handed out again: a test picks several before
+# anything binds them (the gateway's, then a run for the engines).
+_HANDED_OUT: set[int] = set()
+_LISTEN_PORTS = (10000, 32768)  # under Linux's default ephemeral range
+
+
+def _below_ephemeral() -> tuple[int, int]:
+    """Ports no outgoing connection takes: the kernel picks those from
+    ip_local_port_range, so a port chosen under it stays free until the test binds it."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return _LISTEN_PORTS
+    return (_LISTEN_PORTS[0], low) if low > _LISTEN_PORTS[0] + 1000 else (1024, low)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A TCP port that was free a moment ago, under the ephemeral range, not handed out
+    before by this process."""
+    low, high = _below_ephemeral()
+    for _ in range(200):
+        port = random.randrange(low, high)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # a crowded range
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def free_port_run(n: int) -> int:
+    """The first of n consecutive free ports (engines use port_base + i)."""
+    for _ in range(50):
+        base = free_port()
+        run = range(base + 1, base + n)
+        if base + n <= 65536 and all(_bindable(p) for p in run):
+            _HANDED_OUT.update(run)
+            return base
+    raise RuntimeError("no run of free ports")
+
+
+def _bindable(port: int, host: str = "127.0.0.1") -> bool:
+    if port in _HANDED_OUT:
+        return False
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def fake_engine_command(
