@@ -13,7 +13,6 @@ import http.client
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,7 +25,7 @@ from typing import Any
 
 import psutil
 
-from tests.fakes.engine_proc import FAKE_ENGINE_PATH, free_port
+from tests.fakes.engine_proc import FAKE_ENGINE_PATH, free_port, free_port_run
 from tests.fakes.uds_http import uds_request
 
 REPO = Path(__file__).resolve().parents[2]
@@ -72,7 +71,7 @@ def fake_engine_config(
 ) -> dict[str, dict[str, Any]]:
     """A config whose engines are fake engines on free ports, checked fast."""
     gw_port = free_port()
-    port_base = _free_port_run(engines)
+    port_base = free_port_run(engines)
     cfg: dict[str, dict[str, Any]] = {
         "gateway": {"port": gw_port, "keys_file": str(tmp / "keys.json")},
         "engine": {
@@ -104,6 +103,12 @@ def fake_engine_config(
     return cfg
 
 
+# Health checks on, but one answer that took a second on a loaded machine does not take
+# an engine out of routing (SUSPECT): for tests that need every engine READY while they
+# act (drain one, expect a model to answer itself, ...), not for tests of the checks.
+STEADY_HEALTH: dict[str, Any] = {"probe_timeout_s": 5.0, "failures_to_restart": 5}
+
+
 def real_engine_config(
     tmp: Path, engines: int = 2, **overrides: dict[str, Any]
 ) -> dict[str, dict[str, Any]]:
@@ -117,7 +122,7 @@ def real_engine_config(
         "engine": {
             "device": "cpu",
             "cpu_engines": engines,
-            "port_base": _free_port_run(engines),
+            "port_base": free_port_run(engines),
             "max_model_len": 1024,
             "startup_timeout_s": 300,
             "cpu_kvcache_space_gib": 1,
@@ -129,25 +134,6 @@ def real_engine_config(
     for section, values in overrides.items():
         cfg.setdefault(section, {}).update(values)
     return cfg
-
-
-def _free_port_run(n: int) -> int:
-    """The first of n consecutive free ports (engines use port_base + i)."""
-    for _ in range(50):
-        base = free_port()
-        if base + n > 65535:
-            continue
-        ok = True
-        for p in range(base, base + n):
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", p))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            return base
-    raise RuntimeError("no run of free ports")
 
 
 def get_json(

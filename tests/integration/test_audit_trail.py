@@ -19,7 +19,13 @@ from typing import Any
 import pytest
 
 from appliance.gateway.keys import hash_key
-from tests.fakes.appliance_proc import REPO, Appliance, fake_engine_config, run_appliance
+from tests.fakes.appliance_proc import (
+    REPO,
+    STEADY_HEALTH,
+    Appliance,
+    fake_engine_config,
+    run_appliance,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -65,7 +71,7 @@ def test_each_admin_action_is_one_audit_line_and_no_secret_is_in_the_file(
     tmp_path: Path,
 ) -> None:
     audit = tmp_path / "audit.log"
-    cfg = fake_engine_config(tmp_path, 2)
+    cfg = fake_engine_config(tmp_path, 2, health=STEADY_HEALTH)  # drain needs 1 READY
     with run_appliance(tmp_path, cfg) as app:
         app.wait_all_ready()
         admin = (tmp_path / "admin.key").read_text().strip()

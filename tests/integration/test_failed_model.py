@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from appliance.cli import main
-from tests.fakes.appliance_proc import Appliance, fake_engine_config, run_appliance
+from tests.fakes.appliance_proc import STEADY_HEALTH, Appliance, fake_engine_config, run_appliance
 
 REASON = "ValueError: speculative method 'ngramm' is not one of vLLM's methods"
 
@@ -24,6 +24,7 @@ def box(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Appliance, s
         tmp,
         2,
         restart={"backoff_initial_s": 0.1, "backoff_max_s": 0.2, "max_restarts_per_hour": 2},
+        health=STEADY_HEALTH,
     )
     # What vLLM does with a speculative config it refuses: a line naming the error on
     # its output, then exit 1, before it ever listens.

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from tests.fakes.appliance_proc import fake_engine_config, run_appliance
+from tests.fakes.appliance_proc import STEADY_HEALTH, fake_engine_config, run_appliance
 from tests.integration.test_models import Box, write_sensors
 
 pytestmark = pytest.mark.slow
@@ -44,6 +44,7 @@ def box(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Box]:
         telemetry={"source": f"file:{sensors}", "interval_s": 0.1},
         thermal={"soft_limit_c": 80, "hard_limit_c": 87, "hysteresis_c": 5},
         gateway={"queue_timeout_s": QUEUE_TIMEOUT_S},
+        health=STEADY_HEALTH,
     )
     spec = [*cfg["engine"]["command"], "--fake-spec-decode"]
     cfg["models"] = [

@@ -24,7 +24,13 @@ from typing import Any
 import openai
 import pytest
 
-from tests.fakes.appliance_proc import Appliance, fake_engine_config, get_json, run_appliance
+from tests.fakes.appliance_proc import (
+    STEADY_HEALTH,
+    Appliance,
+    fake_engine_config,
+    get_json,
+    run_appliance,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -122,6 +128,7 @@ def box(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Box]:
         telemetry={"source": f"file:{sensors}", "interval_s": 0.1},
         thermal={"soft_limit_c": 80, "hard_limit_c": 87, "hysteresis_c": 5},
         gateway={"queue_timeout_s": QUEUE_TIMEOUT_S},
+        health=STEADY_HEALTH,
     )
     # The embedding engine takes 2 s to come up, so a killed one stays down long
     # enough for its requests to time out in the queue.

@@ -15,7 +15,13 @@ from typing import Any
 
 import pytest
 
-from tests.fakes.appliance_proc import Appliance, fake_engine_config, get_json, run_appliance
+from tests.fakes.appliance_proc import (
+    STEADY_HEALTH,
+    Appliance,
+    fake_engine_config,
+    get_json,
+    run_appliance,
+)
 from tests.integration.test_heat_and_degradation import status, write_sensors
 
 pytestmark = pytest.mark.slow
@@ -165,7 +171,7 @@ def test_heat_restarts_do_not_spend_the_crash_budget_and_have_their_own(tmp_path
 
 
 def test_draining_the_last_serving_engine_needs_force(tmp_path: Path) -> None:
-    cfg = fake_engine_config(tmp_path, 2)
+    cfg = fake_engine_config(tmp_path, 2, health=STEADY_HEALTH)
     with run_appliance(tmp_path, cfg) as app:
         app.wait_all_ready()
         key = admin_key(tmp_path)
