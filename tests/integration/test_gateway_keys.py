@@ -23,7 +23,13 @@ from typing import Any
 import pytest
 
 from appliance.gateway.keys import hash_key
-from tests.fakes.appliance_proc import REPO, Appliance, fake_engine_config, run_appliance
+from tests.fakes.appliance_proc import (
+    REPO,
+    STEADY_HEALTH,
+    Appliance,
+    fake_engine_config,
+    run_appliance,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -113,7 +119,7 @@ class Daemon:
 @pytest.fixture(scope="module")
 def d(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     tmp = tmp_path_factory.mktemp("gw_keys")
-    cfg = fake_engine_config(tmp, 1)
+    cfg = fake_engine_config(tmp, 1, health=STEADY_HEALTH)
     with run_appliance(tmp, cfg) as app:
         app.wait_ready()
         yield Daemon(app, tmp, (tmp / "admin.key").read_text().strip())
@@ -255,9 +261,15 @@ def test_sighup_reloads_at_once(d: Daemon) -> None:
     data = d.keys_path.read_bytes()
     old_hash = hash_key(key).encode()
     assert data.count(old_hash) == 1
-    with open(d.keys_path, "r+b") as f:  # in place: same inode, same size
-        f.write(data.replace(old_hash, hash_key(key + "-revoked").encode()))
-    os.utime(d.keys_path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    # The daemon is stopped meanwhile: a watcher poll between the write and the utime
+    # would see the new mtime, which is not the edit this test is about.
+    d.app.signal(signal.SIGSTOP)
+    try:
+        with open(d.keys_path, "r+b") as f:  # in place: same inode, same size
+            f.write(data.replace(old_hash, hash_key(key + "-revoked").encode()))
+        os.utime(d.keys_path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    finally:
+        d.app.signal(signal.SIGCONT)
     after = d.keys_path.stat()
     assert (after.st_mtime_ns, after.st_size, after.st_ino) == (
         st.st_mtime_ns,
