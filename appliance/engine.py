@@ -151,11 +151,6 @@ def omp_bind(cores: Sequence[int]) -> str:
     return _ranges(cores) if cores else "all"
 
 
-def cpu_core_split(cores: Sequence[int], engines: int) -> list[str]:
-    """:func:`cpu_core_sets` as VLLM_CPU_OMP_THREADS_BIND values."""
-    return [omp_bind(s) for s in cpu_core_sets(cores, engines)]
-
-
 def _ranges(cores: Sequence[int]) -> str:
     parts: list[str] = []
     run_start = prev = cores[0]

@@ -339,12 +339,6 @@ def read_cpu_flags(cpuinfo: Path = CPUINFO) -> frozenset[str]:
         return frozenset()
 
 
-def cpu_dtype_for(config: Config, cpu_flags: Collection[str] | None = None) -> CpuDtype:
-    """The dtype a CPU engine gets with ``config`` on this machine, and why (for doctor)."""
-    flags = read_cpu_flags() if cpu_flags is None else cpu_flags
-    return choose_cpu_dtype(flags, config.engine.extra_args)
-
-
 # Where distributions put the shared libraries set-up installs (Debian multiarch first).
 SYSTEM_LIB_DIRS: tuple[Path, ...] = (
     Path(f"/usr/lib/{platform.machine()}-linux-gnu"),

@@ -20,8 +20,9 @@ from appliance.engine import (
     build_env,
     check_transition,
     choose_cpu_dtype,
-    cpu_core_split,
+    cpu_core_sets,
     new_api_key,
+    omp_bind,
 )
 from appliance.errors import IllegalTransition
 
@@ -385,6 +386,11 @@ def test_new_api_key_is_url_safe_never_dash_first_and_fresh() -> None:
 )
 def test_cpu_core_split(cores: list[int], engines: int, expect: list[str]) -> None:
     assert cpu_core_split(cores, engines) == expect
+
+
+def cpu_core_split(cores: list[int], engines: int) -> list[str]:
+    """The cores of each engine as VLLM_CPU_OMP_THREADS_BIND values."""
+    return [omp_bind(s) for s in cpu_core_sets(cores, engines)]
 
 
 def _expand(spec: str) -> list[int]:

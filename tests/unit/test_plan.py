@@ -9,12 +9,12 @@ import pytest
 
 from appliance import paths
 from appliance.config import Config, parse_config
+from appliance.engine import choose_cpu_dtype
 from appliance.errors import ConfigError, EngineSetupError
 from appliance.plan import (
     IOMP,
     TCMALLOC,
     EnginePlan,
-    cpu_dtype_for,
     cpu_flags_of,
     cpu_preload_libs,
     plan_engines,
@@ -469,9 +469,9 @@ def test_cpu_flags_of_cpuinfo(text: str, expect: set[str]) -> None:
 
 def test_unreadable_cpuinfo_means_no_flags_and_float32(tmp_path: Path) -> None:
     assert read_cpu_flags(tmp_path / "missing") == frozenset()
-    assert cpu_dtype_for(Config(), frozenset()).dtype == "float32"
+    assert choose_cpu_dtype(frozenset(), Config().engine.extra_args).dtype == "float32"
     (tmp_path / "cpuinfo").write_text(X86_CPUINFO)
-    assert cpu_dtype_for(Config(), read_cpu_flags(tmp_path / "cpuinfo")).dtype == "bfloat16"
+    assert choose_cpu_dtype(read_cpu_flags(tmp_path / "cpuinfo"), ()).dtype == "bfloat16"
 
 
 @pytest.mark.parametrize(
