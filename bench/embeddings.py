@@ -21,7 +21,6 @@ import secrets
 import shutil
 import tempfile
 import time
-from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,21 +28,10 @@ from typing import Any
 import aiohttp
 
 from appliance import paths
-from bench._common import (
-    Daemon,
-    Result,
-    Table,
-    client_session,
-    closed_loop,
-    header,
-    module_argv,
-    ms,
-    pct,
-    wait_for_quiet,
-)
+from bench._common import Daemon, Result, header, module_argv, wait_for_quiet
+from bench.direct_vs_gateway import Measure, Samples, alternate, compare
 from tests.fakes.appliance_proc import real_engine_config, run_appliance
 
-PATHS = ("direct", "gateway")
 EMBED = "all-minilm-l6-v2"
 SENTENCES = (
     "The lighthouse keeper climbed the stairs at dusk.",
@@ -101,62 +89,28 @@ async def embed_request(session: aiohttp.ClientSession, base_url: str, key: str)
         return Result(False, t0, 0.0, now - t0, 0, False, 0, type(exc).__name__)
 
 
-async def run(args: argparse.Namespace, d: Daemon) -> dict[tuple[int, str], list[Any]]:
+async def run(args: argparse.Namespace, d: Daemon) -> Samples:
     embed_id = next(e["id"] for e in d.status()["engines"] if e.get("model") == "embed")
-    url, key = d.engine_url(embed_id), d.engine_key(embed_id)
-    acc: dict[tuple[int, str], list[Any]] = defaultdict(lambda: [[], 0.0])
-    async with client_session() as gw, client_session(d.engine_address(embed_id)) as direct:
 
-        def one(path: str) -> Any:
-            s, base, k = (direct, url, key) if path == "direct" else (gw, d.url, d.admin_key)
-            return lambda _w: embed_request(s, base, k)
+    async def send(s: aiohttp.ClientSession, base: str, key: str, _w: int) -> Result:
+        return await embed_request(s, base, key)
 
-        for path in PATHS:  # warm-up: connections open, engine warm
-            await closed_loop(max(args.levels), 3.0, one(path))
-        for c in args.levels:
-            for r in range(args.rounds):
-                for path in PATHS if r % 2 == 0 else PATHS[::-1]:
-                    results, elapsed = await closed_loop(c, args.round_s, one(path))
-                    acc[(c, path)][0] += results
-                    acc[(c, path)][1] += elapsed
-            print(f"  {c} clients done", flush=True)
-    return acc
+    return await alternate(d, embed_id, args.levels, args.rounds, args.round_s, send, "clients")
 
 
-def report(args: argparse.Namespace, quiet: Any, ready_s: float, acc: Any) -> str:
-    t = Table(
-        [
-            "clients",
-            "requests direct / gw",
-            "failed",
-            "inputs/s direct",
-            "inputs/s gw",
-            "ratio gw/direct",
-            "latency p50 direct / gw (ms)",
-            "latency p99 direct / gw (ms)",
-        ]
-    )
-    figures: dict[str, Any] = {"ready_s": round(ready_s, 1)}
-    for c in args.levels:
-        rows = {}
-        for path in PATHS:
-            results, elapsed = acc[(c, path)]
-            ok: list[Result] = [r for r in results if r.ok]
-            rows[path] = (results, ok, len(ok) * len(SENTENCES) / elapsed if elapsed else 0.0)
-        (dres, dok, drate), (gres, gok, grate) = rows["direct"], rows["gateway"]
-        ratio = grate / drate if drate else float("nan")
-        dt, gt = [r.total for r in dok], [r.total for r in gok]
-        t.add(
-            c,
-            f"{len(dres)} / {len(gres)}",
-            f"{len(dres) - len(dok)} / {len(gres) - len(gok)}",
-            f"{drate:.1f}",
-            f"{grate:.1f}",
-            f"{ratio:.3f}",
-            f"{ms(pct(dt, 50))} / {ms(pct(gt, 50))}",
-            f"{ms(pct(dt, 99))} / {ms(pct(gt, 99))}",
-        )
-        figures[str(c)] = {"ratio": round(ratio, 4), "inputs_s": [round(drate, 1), round(grate, 1)]}
+INPUTS = Measure(
+    "clients",
+    "inputs/s",
+    "inputs_s",
+    "latency",
+    lambda ok, elapsed: len(ok) * len(SENTENCES) / elapsed,
+    lambda r: r.total,
+)
+
+
+def report(args: argparse.Namespace, quiet: Any, ready_s: float, samples: Samples) -> str:
+    t, figures = compare(args.levels, samples, INPUTS)
+    figures = {"ready_s": round(ready_s, 1), **figures}
     out = [header("Embeddings through the gateway (CPU)", module_argv("bench.embeddings"), quiet)]
     out.append(
         f"- start-up: daemon start to both engines READY (chat: SmolLM2-135M, embed: "

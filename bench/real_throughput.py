@@ -25,28 +25,17 @@ import secrets
 import shutil
 import tempfile
 import time
-from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
+
 from appliance import paths
-from bench._common import (
-    Daemon,
-    Result,
-    Table,
-    client_session,
-    closed_loop,
-    header,
-    module_argv,
-    ms,
-    pct,
-    request,
-    wait_for_quiet,
-)
+from bench._common import Daemon, Result, header, module_argv, request, wait_for_quiet
+from bench.direct_vs_gateway import Measure, Samples, alternate, compare
 from tests.fakes.appliance_proc import real_engine_config, run_appliance
 
-PATHS = ("direct", "gateway")
 MODEL = paths.PACKAGED_MODEL_NAME
 
 
@@ -82,63 +71,23 @@ def body(tokens: int, n: int) -> bytes:
     ).encode()
 
 
-async def run(args: argparse.Namespace, d: Daemon) -> dict[tuple[int, str], list[Any]]:
-    url, key = d.engine_url(0), d.engine_key(0)
-    acc: dict[tuple[int, str], list[Any]] = defaultdict(lambda: [[], 0.0])
-    async with client_session() as gw, client_session(d.engine_address(0)) as direct:
+async def run(args: argparse.Namespace, d: Daemon) -> Samples:
+    async def send(s: aiohttp.ClientSession, base: str, key: str, w: int) -> Result:
+        return await request(s, base, key, body(args.tokens, w), True)
 
-        def one(path: str) -> Any:
-            s, base, k = (direct, url, key) if path == "direct" else (gw, d.url, d.admin_key)
-            return lambda w: request(s, base, k, body(args.tokens, w), True)
-
-        for path in PATHS:  # warm-up: connections open, engine warm
-            await closed_loop(max(args.levels), 3.0, one(path))
-        for c in args.levels:
-            for r in range(args.rounds):
-                for path in PATHS if r % 2 == 0 else PATHS[::-1]:
-                    results, elapsed = await closed_loop(c, args.round_s, one(path))
-                    acc[(c, path)][0] += results
-                    acc[(c, path)][1] += elapsed
-            print(f"  {c} streams done", flush=True)
-    return acc
+    return await alternate(d, 0, args.levels, args.rounds, args.round_s, send, "streams")
 
 
-def report(args: argparse.Namespace, quiet: Any, acc: dict[tuple[int, str], list[Any]]) -> str:
-    t = Table(
-        [
-            "streams",
-            "requests direct / gw",
-            "failed",
-            "tokens/s direct",
-            "tokens/s gw",
-            "ratio gw/direct",
-            "TTFT p50 direct / gw (ms)",
-            "TTFT p99 direct / gw (ms)",
-        ]
-    )
-    figures: dict[str, Any] = {}
-    for c in args.levels:
-        rows = {}
-        for path in PATHS:
-            results, elapsed = acc[(c, path)]
-            ok: list[Result] = [r for r in results if r.ok]
-            # Events minus the final chunk and [DONE]: one event per token.
-            tokens = sum(max(0, r.events - 2) for r in ok)
-            rows[path] = (results, ok, tokens / elapsed if elapsed else float("nan"))
-        (dres, dok, drate), (gres, gok, grate) = rows["direct"], rows["gateway"]
-        ratio = grate / drate if drate else float("nan")
-        dt, gt = [r.ttft for r in dok], [r.ttft for r in gok]
-        t.add(
-            c,
-            f"{len(dres)} / {len(gres)}",
-            f"{len(dres) - len(dok)} / {len(gres) - len(gok)}",
-            f"{drate:.1f}",
-            f"{grate:.1f}",
-            f"{ratio:.3f}",
-            f"{ms(pct(dt, 50))} / {ms(pct(gt, 50))}",
-            f"{ms(pct(dt, 99))} / {ms(pct(gt, 99))}",
-        )
-        figures[str(c)] = {"ratio": round(ratio, 4), "tok_s": [round(drate, 1), round(grate, 1)]}
+def streamed_tokens(ok: list[Result], elapsed: float) -> float:
+    # Events minus the final chunk and [DONE]: one event per token.
+    return sum(max(0, r.events - 2) for r in ok) / elapsed
+
+
+TOKENS = Measure("streams", "tokens/s", "tok_s", "TTFT", streamed_tokens, lambda r: r.ttft)
+
+
+def report(args: argparse.Namespace, quiet: Any, samples: Samples) -> str:
+    t, figures = compare(args.levels, samples, TOKENS)
     out = [header("Gateway cost on real vLLM (CPU)", module_argv("bench.real_throughput"), quiet)]
     out.append(
         f"- load: 1 real vLLM engine (SmolLM2-135M, --enforce-eager, all cores, on a Unix "

@@ -1,0 +1,102 @@
+"""One engine straight vs through the gateway: the same closed loop, rounds alternating.
+
+Shared by ``bench.real_throughput`` (streamed tokens) and ``bench.embeddings`` (embedded
+inputs). "Direct" rounds hit the very engine the gateway relays to, on its own address
+with its per-spawn key; rounds alternate direct / gateway with the order flipped every
+round, so a machine that gets busier mid-run weighs on both paths alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from bench._common import Daemon, Result, Table, client_session, closed_loop, ms, pct
+
+PATHS = ("direct", "gateway")
+# One request: (session, base URL, key, worker number) -> its result.
+Send = Callable[[aiohttp.ClientSession, str, str, int], Awaitable[Result]]
+# (concurrency, path) -> (every result, seconds measured)
+Samples = dict[tuple[int, str], tuple[list[Result], float]]
+
+
+async def alternate(
+    d: Daemon,
+    engine_id: int,
+    levels: Sequence[int],
+    rounds: int,
+    round_s: float,
+    send: Send,
+    unit: str,
+) -> Samples:
+    """``rounds`` rounds of ``round_s`` seconds per path at each concurrency of ``levels``,
+    after a short warm-up of each path (connections open, engine warm)."""
+    url, key = d.engine_url(engine_id), d.engine_key(engine_id)
+    samples: Samples = {}
+    async with client_session() as gw, client_session(d.engine_address(engine_id)) as direct:
+
+        def one(path: str) -> Callable[[int], Awaitable[Result]]:
+            s, base, k = (direct, url, key) if path == "direct" else (gw, d.url, d.admin_key)
+            return lambda w: send(s, base, k, w)
+
+        for path in PATHS:
+            await closed_loop(max(levels), 3.0, one(path))
+        for c in levels:
+            for r in range(rounds):
+                for path in PATHS if r % 2 == 0 else PATHS[::-1]:
+                    results, elapsed = await closed_loop(c, round_s, one(path))
+                    before, spent = samples.get((c, path), ([], 0.0))
+                    samples[(c, path)] = (before + results, spent + elapsed)
+            print(f"  {c} {unit} done", flush=True)
+    return samples
+
+
+@dataclass(frozen=True)
+class Measure:
+    """What a comparison counts and how its table and JSON name it."""
+
+    load: str  # the concurrency column: "streams", "clients"
+    rate: str  # "tokens/s", "inputs/s"
+    rate_key: str  # the rates' key in the JSON figures: "tok_s", "inputs_s"
+    latency: str  # "TTFT", "latency"
+    rate_of: Callable[[list[Result], float], float]  # (good results, seconds) -> rate
+    latency_of: Callable[[Result], float]
+
+
+def compare(levels: Sequence[int], samples: Samples, m: Measure) -> tuple[Table, dict[str, Any]]:
+    """Per concurrency: requests, failures, both rates and their ratio, latency p50/p99."""
+    t = Table(
+        [
+            m.load,
+            "requests direct / gw",
+            "failed",
+            f"{m.rate} direct",
+            f"{m.rate} gw",
+            "ratio gw/direct",
+            f"{m.latency} p50 direct / gw (ms)",
+            f"{m.latency} p99 direct / gw (ms)",
+        ]
+    )
+    figures: dict[str, Any] = {}
+    for c in levels:
+        (dres, delapsed), (gres, gelapsed) = samples[(c, "direct")], samples[(c, "gateway")]
+        dok, gok = [r for r in dres if r.ok], [r for r in gres if r.ok]
+        drate = m.rate_of(dok, delapsed) if delapsed else float("nan")
+        grate = m.rate_of(gok, gelapsed) if gelapsed else float("nan")
+        ratio = grate / drate if drate else float("nan")
+        dt, gt = [m.latency_of(r) for r in dok], [m.latency_of(r) for r in gok]
+        t.add(
+            c,
+            f"{len(dres)} / {len(gres)}",
+            f"{len(dres) - len(dok)} / {len(gres) - len(gok)}",
+            f"{drate:.1f}",
+            f"{grate:.1f}",
+            f"{ratio:.3f}",
+            f"{ms(pct(dt, 50))} / {ms(pct(gt, 50))}",
+            f"{ms(pct(dt, 99))} / {ms(pct(gt, 99))}",
+        )
+        figures[str(c)] = {"ratio": round(ratio, 4), m.rate_key: [round(drate, 1), round(grate, 1)]}
+    return t, figures

@@ -1,0 +1,38 @@
+"""bench.direct_vs_gateway.compare: the figures the real-engine benchmarks report."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench._common import Result
+from bench.direct_vs_gateway import Measure, Samples, compare
+
+PER_REQUEST = Measure(
+    "clients", "req/s", "req_s", "latency", lambda ok, s: len(ok) / s, lambda r: r.total
+)
+
+
+def results(n_ok: int, n_failed: int, total_s: float) -> list[Result]:
+    return [Result(True, 0.0, total_s, total_s, 0) for _ in range(n_ok)] + [
+        Result(False, 0.0, 0.0, total_s, 0, status=503) for _ in range(n_failed)
+    ]
+
+
+def test_rates_count_answered_requests_only_and_the_ratio_is_gateway_over_direct() -> None:
+    samples: Samples = {
+        (4, "direct"): (results(40, 0, 0.1), 10.0),
+        (4, "gateway"): (results(36, 2, 0.2), 10.0),
+    }
+    table, figures = compare([4], samples, PER_REQUEST)
+    assert figures == {"4": {"ratio": pytest.approx(0.9), "req_s": [4.0, 3.6]}}
+    row = dict(zip(table.headers, table.rows[0], strict=True))
+    assert row["requests direct / gw"] == "40 / 38"
+    assert row["failed"] == "0 / 2"
+    assert row["latency p50 direct / gw (ms)"] == "100.00 / 200.00"
+
+
+def test_a_path_that_measured_nothing_has_no_rate_rather_than_a_crash() -> None:
+    samples: Samples = {(1, "direct"): ([], 0.0), (1, "gateway"): (results(1, 0, 0.1), 1.0)}
+    table, figures = compare([1], samples, PER_REQUEST)
+    assert table.rows[0][3] == "nan"
+    assert figures["1"]["req_s"][1] == 1.0
