@@ -27,7 +27,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 import psutil
@@ -357,14 +357,17 @@ async def request(
         return Result(False, t0, ttft, now - t0, events, stream, 0, type(exc).__name__, target)
 
 
+R = TypeVar("R")  # what one request gives: a Result, or a benchmark's own record
+
+
 async def closed_loop(
-    concurrency: int, duration_s: float, one: Callable[[int], Awaitable[Result]]
-) -> tuple[list[Result], float]:
+    concurrency: int, duration_s: float, one: Callable[[int], Awaitable[R]]
+) -> tuple[list[R], float]:
     """``concurrency`` workers, each issuing requests back to back until the deadline.
 
     Returns every result and the wall time from start until the last request ended.
     """
-    results: list[Result] = []
+    results: list[R] = []
     t0 = time.monotonic()
     deadline = t0 + duration_s
 

@@ -258,7 +258,8 @@ class Appliance:
 
     def tree(self) -> list[psutil.Process]:
         try:
-            return psutil.Process(self.proc.pid).children(recursive=True)
+            children: list[psutil.Process] = psutil.Process(self.proc.pid).children(recursive=True)
+            return children
         except psutil.Error:
             return []
 
