@@ -13,8 +13,11 @@ answer's finishing events (``"finish_reason":"..."``) only without ``include_usa
 it, the fingerprint moves to the usage event. So the tap holds back a finishing event
 until the usage event says the fingerprint, and puts it back where vLLM would have
 (the last field of the event), then drops the usage event. Finishing events are at the
-end of a stream, so holding them costs no latency worth the name; with ``n`` > 1, events
-of other choices that follow the first finish are held with it, in order.
+end of a stream, so holding them costs no latency worth the name. Only they are held:
+with ``n`` > 1 the other choices' tokens pass on as they come, and each finished choice's
+last event follows when the last choice finishes (so the gateway holds at most ``n``
+events, however long the other choices run; events carry their choice's index, so a
+client's reading of each choice is the same).
 
 Cost on the per-token path: per read from the engine, ONE C-level search: for
 ``"finish_reason":"`` when stripping (vLLM sends the usage event only after every
@@ -227,7 +230,7 @@ class StreamTap:
         """What of ``wire`` (whole chunks, ``chunks`` of them when the caller counted
         them) goes to the client now."""
         # The per-token path, inlined (_passes): one call per read from the engine.
-        if self.held is None and self.mark not in wire:
+        if self.mark not in wire and (self.held is None or USAGE_MARK not in wire):
             self.events += chunks or len(scan_chunks(wire)[1])
             return wire
         _, payloads, _ = scan_chunks(wire)
@@ -264,16 +267,17 @@ class StreamTap:
 
     # ---- both ------------------------------------------------------------------------
     def _passes(self, data: bytes) -> bool:
-        """Whether ``data`` goes on untouched: nothing held, and no usage event in it (when
-        stripping: no finishing event, which comes first). One C-level search."""
-        return self.held is None and self.mark not in data
+        """Whether ``data`` goes on untouched: no usage event in it (when stripping: no
+        finishing event, which comes first, nor, once one is held, the usage event). One
+        C-level search, two while a finishing event waits."""
+        return self.mark not in data and (self.held is None or USAGE_MARK not in data)
 
     def _events(self, payloads: list[bytes]) -> list[bytes]:
         out: list[bytes] = []
         for payload in payloads:
             if USAGE_MARK in payload and self._take_usage(payload, out):
                 continue
-            if self.strip and (self.held is not None or FINISH_MARK in payload):
+            if self.strip and FINISH_MARK in payload:
                 if self.held is None:
                     self.held = []
                 self.held.append(payload)

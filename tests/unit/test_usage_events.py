@@ -222,3 +222,41 @@ def test_usage_of_a_whole_answer() -> None:
     assert usage_of_answer(answer) == Usage(5, 0)
     assert usage_of_answer(b'{"usage":{"prompt_tokens":"x"}}') is None
     assert usage_of_answer(b"not json") is None
+
+
+def choice_token(index: int, text: str, finish: str | None = None, fp: bool = False) -> bytes:
+    return token(text, finish, fp).replace(b'"index":0', b'"index":%d' % index)
+
+
+def test_with_n_2_only_finishing_events_wait_and_the_other_choice_streams_on() -> None:
+    """A long second choice after the first finished: its tokens reach the client as they
+    come (nothing piles up in the gateway), and every finishing event gets its stamp."""
+    tokens_1 = [choice_token(1, f"t{i}") for i in range(50)]
+    with_usage = [
+        ROLE,
+        choice_token(0, "a"),
+        choice_token(0, "b", "stop"),
+        *tokens_1,
+        choice_token(1, "z", "length"),
+        USAGE,
+        DONE,
+    ]
+    tap = StreamTap(strip=True, preamble=1)
+    sent: list[bytes] = []
+    for e in with_usage[:-2]:
+        sent.append(body_of(tap.wire(wire([e]), 1)))
+        assert len(tap.held or ()) <= 2  # at most one finishing event per choice
+    assert b"".join(sent[3 : 3 + len(tokens_1)]) == b"".join(tokens_1)  # not held back
+    sent.append(body_of(tap.wire(wire(with_usage[-2:]), 2)))
+    sent.append(body_of(tap.last(b"")))
+    assert b"".join(sent) == b"".join(
+        [
+            ROLE,
+            choice_token(0, "a"),
+            *tokens_1,
+            choice_token(0, "b", "stop", fp=True),
+            choice_token(1, "z", "length", fp=True),
+            DONE,
+        ]
+    )
+    assert tap.usage == Usage(11, 3)
