@@ -50,9 +50,12 @@ async def read_body(request: web.Request) -> bytes:
 
 def _dump(body: dict[str, Any]) -> bytes:
     try:
-        return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
-    except UnicodeEncodeError:  # a lone surrogate (from a \ud800 escape) stays escaped
-        return json.dumps(body, separators=(",", ":")).encode()
+        try:
+            return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+        except UnicodeEncodeError:  # a lone surrogate (from a \ud800 escape) stays escaped
+            return json.dumps(body, separators=(",", ":")).encode()
+    except RecursionError:  # json.loads read it, one level short of dumps' limit
+        raise bad_request("the request body is nested too deeply") from None
 
 
 def _check_route_input(route: str, body: dict[str, Any]) -> None:
@@ -92,11 +95,25 @@ def open_body(route: str, raw: bytes) -> OpenedBody:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad_request("'model' is required and must be a string", "model")
-    stream = body.get("stream", False)
+    stream = body.get("stream")
+    if stream is None:
+        stream = False  # absent or null, as OpenAI and vLLM read it
     if not isinstance(stream, bool):
         raise bad_request("'stream' must be true or false", "stream")
+    _check_stream_options(body.get("stream_options"))
     _check_route_input(route, body)
-    return OpenedBody(body, model, stream, raw)
+    # vLLM answers embeddings with one JSON body whatever "stream" says: so does the relay.
+    return OpenedBody(body, model, stream and route != "embeddings", raw)
+
+
+def _check_stream_options(options: Any) -> None:
+    """Whether the client asked for a stream's usage must be plain, as the gateway reads
+    it to decide what to take out of the stream (vLLM would coerce "true" or 1)."""
+    if not isinstance(options, dict):
+        return  # absent, null, or not an object (vLLM refuses that itself)
+    for name in ("include_usage", "continuous_usage_stats"):
+        if options.get(name) is not None and not isinstance(options[name], bool):
+            raise bad_request(f"'stream_options.{name}' must be true or false", "stream_options")
 
 
 def finish_body(

@@ -96,16 +96,19 @@ def plan_usage(route: str, stream: bool, body: dict[str, Any], max_prompts: int)
         return UsagePlan(True, *estimate, rewrite=True, preamble=preamble)
     if options is not None:
         return UsagePlan(False, *estimate, preamble=preamble)  # not an object: vLLM refuses it
+    # "stream_options": null in the client's bytes would win over a field put first (the
+    # last of two equal keys wins): then the body is written anew.
+    written = "stream_options" in body
     body["stream_options"] = {"include_usage": True}
-    return UsagePlan(True, *estimate, preamble=preamble)
+    return UsagePlan(True, *estimate, rewrite=written, preamble=preamble)
 
 
 def insert_stream_usage(raw: bytes) -> bytes | None:
     """The client's bytes with ``stream_options`` added as the first field, or None when
     the body is not plain UTF-8 JSON starting with ``{`` (then it is re-serialised)."""
     start = len(raw) - len(raw.lstrip(b" \t\r\n"))
-    if raw[start : start + 1] != b"{":
-        return None
+    if raw[start : start + 1] != b"{" or json.detect_encoding(raw) != "utf-8":
+        return None  # json.loads also reads UTF-16 and UTF-32, where ASCII cannot go in
     return raw[: start + 1] + STREAM_USAGE + raw[start + 1 :]
 
 

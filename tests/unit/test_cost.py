@@ -9,6 +9,7 @@ engines generate far more than it is charged for.
 from __future__ import annotations
 
 import json
+import sys
 from typing import Any
 
 import pytest
@@ -16,7 +17,7 @@ import pytest
 from appliance.config import GatewayConfig
 from appliance.gateway.cost import MEDIA_PART_TOKENS, TOKENS_PER_MESSAGE, text_tokens
 from appliance.gateway.errors import GatewayError
-from appliance.gateway.request_body import ParsedRequest, parse_body
+from appliance.gateway.request_body import ParsedRequest, _dump, parse_body
 
 CAP = 1000
 MML = 4096  # engine.max_model_len
@@ -200,3 +201,46 @@ def test_a_long_token_id_list_is_one_prompt_not_many() -> None:
 def test_text_estimate() -> None:
     assert [text_tokens(t) for t in ("", "a", "abcd", "abcde")] == [0, 1, 1, 2]
     assert text_tokens("\u00e9" * 3) == 2  # 6 UTF-8 bytes
+
+
+# --- what the engine is sent is what the gateway read --------------------------------------
+def engine_reads(parsed: ParsedRequest) -> Any:
+    """The body as the engine parses it (the last of two equal keys wins, as here)."""
+    return json.loads(parsed.body)
+
+
+def test_stream_options_null_is_replaced_not_shadowed() -> None:
+    parsed = parse("chat", chat(stream=True, max_tokens=5, stream_options=None))
+    assert parsed.usage is not None and parsed.usage.added
+    assert engine_reads(parsed)["stream_options"] == {"include_usage": True}
+
+
+def test_a_body_in_utf_16_without_a_bom_is_written_anew_for_the_usage_field() -> None:
+    raw = json.dumps(chat(stream=True, max_tokens=5)).encode("utf-16-le")
+    parsed = parse("chat", raw)
+    assert engine_reads(parsed)["stream_options"] == {"include_usage": True}
+    assert parsed.body.startswith(b'{"model"')  # UTF-8 now, not ASCII spliced into UTF-16
+
+
+def test_a_body_too_deep_to_write_again_is_a_400_not_a_500() -> None:
+    """json.loads can read a body one level shallower than json.dumps can write: such a
+    body, when it must be written anew (an alias, a field set), is refused, not a crash."""
+    deep: list[Any] = []
+    for _ in range(sys.getrecursionlimit() + 10):
+        deep = [deep]
+    with pytest.raises(GatewayError) as exc:
+        _dump({"model": "m", "tools": deep})
+    assert exc.value.status == 400 and "nested too deeply" in str(exc.value)
+
+
+def test_stream_null_is_no_stream_and_embeddings_never_stream() -> None:
+    assert parse("chat", chat(stream=None, max_tokens=5)).stream is False
+    embed = parse("embeddings", {"model": "m", "input": "x", "stream": True})
+    assert embed.stream is False  # vLLM answers with one JSON body: relayed and counted so
+
+
+@pytest.mark.parametrize("value", ["true", 1, [], {}])
+def test_include_usage_must_be_a_boolean(value: Any) -> None:
+    with pytest.raises(GatewayError) as exc:
+        parse("chat", chat(stream=True, max_tokens=5, stream_options={"include_usage": value}))
+    assert exc.value.status == 400 and exc.value.param == "stream_options"
