@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import logging
 import time
 from typing import TYPE_CHECKING, Any
@@ -180,7 +181,8 @@ class Relay:
         gw.fallbacks.fell_back(parsed.model, target.name, reason)
         request["model"] = target.name  # the model that served it, in the metrics
         request[SERVED_BY] = target.name  # X-Appliance-Model on the answer (app.py)
-        return engine_id, other
+        # Settled against what the key was charged (_handle), not the fallback's cost.
+        return engine_id, dataclasses.replace(other, charged=parsed.tpm_charge)
 
     def _check_rate(self, record: Any, cost: int) -> None:
         """429 when the caller's key is past its rpm or tpm."""

@@ -31,6 +31,13 @@ class ParsedRequest:
     session: str | None
     body: bytes  # what the engine is sent: the client's bytes, unless a field had to be set
     usage: UsagePlan | None = None  # what token accounting asked of the engine (usage_events)
+    # What the key's tpm bucket was charged, when not ``cost``: a request sent to a
+    # fallback is costed on that model's context, but was charged on the one it named.
+    charged: int | None = None
+
+    @property
+    def tpm_charge(self) -> int:
+        return self.cost if self.charged is None else self.charged
 
 
 def bad_request(message: str, param: str | None = None) -> GatewayError:

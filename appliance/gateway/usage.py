@@ -262,7 +262,8 @@ class UsageBook:
             plan = parsed.usage
             usage = Usage(plan.prompt_estimate if plan is not None else 0, produced)
         self.add(record.id, usage.prompt, usage.completion)
-        self.ratelimiter.settle(record.id, record.tpm, parsed.cost, usage.prompt + usage.completion)
+        used = usage.prompt + usage.completion
+        self.ratelimiter.settle(record.id, record.tpm, parsed.tpm_charge, used)
 
     # ---- the daemon's life -------------------------------------------------------------
     def start(self) -> None:

@@ -19,6 +19,7 @@ import json
 import time
 import urllib.parse
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -257,3 +258,37 @@ def test_speculative_decoding_figures_reach_metrics_and_status(box: Box) -> None
             f'appliance_engine_spec_{name}_total{{engine="{small_id}"}}'
         ]
         assert float(series[0].split()[-1]) > 0
+
+
+def test_a_key_settles_a_fallback_against_what_it_was_charged(tmp_path: Path) -> None:
+    """tpm is charged on the model the request names (here its 2048-token context) and
+    settled against that charge when the fallback (a 256-token context) served it: the
+    key pays what was used, neither the gap between the two estimates nor less."""
+    sensors = tmp_path / "sensors.json"
+    write_sensors(sensors, [HOT, COOL])  # chat (engine 0) past the hard limit throughout
+    cfg: dict[str, Any] = fake_engine_config(
+        tmp_path,
+        2,
+        telemetry={"source": f"file:{sensors}", "interval_s": 0.1},
+        thermal={"soft_limit_c": 80, "hard_limit_c": 87, "hysteresis_c": 5},
+        health=STEADY_HEALTH,
+    )
+    cfg["models"] = [
+        {"name": CHAT, "cpu_engines": 1, "fallback": SMALL, "max_model_len": 2048},
+        {"name": SMALL, "cpu_engines": 1, "max_model_len": 256},
+    ]
+    with run_appliance(tmp_path, cfg) as app:
+        app.wait_all_ready()
+        box = Box(app, (tmp_path / "admin.key").read_text().strip(), sensors)
+        box.app.wait_for(
+            lambda: box.engine_of(CHAT)["throttle_level"] == 4, 10, "chat engine at level 4"
+        )
+        code, _, created = box.call("POST", "/admin/keys", {"name": "metered", "tpm": 3000})
+        assert code in (200, 201), created
+        ask = {"model": CHAT, "messages": [{"role": "user", "content": "hi"}]}  # no max_tokens
+        for _ in range(2):  # charged 2048 each; used ~256: the second fits in what is left
+            box.key = created["key"]
+            code, headers, body = box.call("POST", "/v1/chat/completions", ask)
+            assert code == 200, body
+            assert headers.get("X-Appliance-Model") == SMALL
+            assert body["usage"]["total_tokens"] <= 256
