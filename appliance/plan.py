@@ -97,33 +97,39 @@ def resolve_model(
 ) -> str:
     """The path (or cached model id) a model's engines load, checked to exist where we
     can tell: a packaged model must be prepared, a folder must be there."""
-    packaged = paths.packaged_name(served.model)
-    if not served.model or packaged is not None:
+    return _resolve(served.model, home, check=check, key=key)
+
+
+def _resolve(model: str, home: Path, *, check: bool, key: str) -> str:
+    packaged = paths.packaged_name(model)
+    if not model or packaged is not None:
         folder = paths.packaged_model(home, packaged or paths.PACKAGED_MODEL_NAME)
         if check and not (folder / "config.json").exists():
-            what = f"{key} = {served.model!r}" if served.model else "the packaged model"
+            what = f"{key} = {model!r}" if model else "the packaged model"
             raise EngineSetupError(
                 f"{what} is not prepared (expected {folder}/config.json): {SETUP_HINT}"
             )
         return str(folder)
     # vLLM gets the argv without a shell: expand ~ here or it reaches vLLM literally.
-    path = str(Path(served.model).expanduser())
-    if check and _looks_like_path(served.model) and not Path(path).exists():
+    path = str(Path(model).expanduser())
+    if check and _looks_like_path(model) and not Path(path).exists():
         raise EngineSetupError(
-            f"{key} = {served.model!r}: no such folder (models are never downloaded at run time)"
+            f"{key} = {model!r}: no such folder (models are never downloaded at run time)"
         )
-    return path if _looks_like_path(served.model) else served.model
+    return path if _looks_like_path(model) else model
 
 
-def speculative_json(served: ServedModel, home: Path) -> str:
+def speculative_json(served: ServedModel, home: Path, *, check: bool = True) -> str:
     """The model's ``speculative`` table as vLLM's --speculative-config JSON ("" if none);
-    a draft model named ``packaged:NAME`` becomes its prepared folder."""
+    its draft ``model`` is resolved as a model is (a packaged one becomes its prepared
+    folder, ``~`` is expanded, a missing folder is named before vLLM starts)."""
     if not served.speculative:
         return ""
     spec = dict(served.speculative)
     draft = spec.get("model")
-    if isinstance(draft, str) and paths.packaged_name(draft) is not None:
-        spec["model"] = str(paths.packaged_model(home, paths.packaged_name(draft) or ""))
+    if isinstance(draft, str) and draft:
+        key = f"models.{served.name}.speculative.model"
+        spec["model"] = _resolve(draft, home, check=check, key=key)
     return json.dumps(spec, separators=(",", ":"), sort_keys=True)
 
 
@@ -286,7 +292,7 @@ def _spec(
         gpus=gpus,
         on_gpu=ctx.device == "cuda",
         cpu_flags=ctx.cpu_flags,
-        speculative_json=speculative_json(m, ctx.home),
+        speculative_json=speculative_json(m, ctx.home, check=not m.engine.command),
     )
     env = build_env(
         m.engine, ctx.base_env, gpus=gpus, cpu_bind=bind, engine_tag=tag, preload=ctx.preload

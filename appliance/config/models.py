@@ -20,6 +20,7 @@ from typing import Any, Literal, get_args
 from appliance import paths
 from appliance.config.fields import _coerce, _describe, _show, _unknown, check_bounds
 from appliance.config.sections import MAX_GPUS, EngineConfig
+from appliance.config.speculative import speculative_problem
 
 Task = Literal["generate", "embed"]
 TASKS: tuple[str, ...] = get_args(Task)
@@ -91,25 +92,6 @@ MODEL_KEY_DOCS: Mapping[str, tuple[str, str, str]] = {
 # The context a packaged model supports, where it is below [engine].max_model_len's
 # default: vLLM refuses a --max-model-len above what the model was trained for.
 PACKAGED_CONTEXT: Mapping[str, int] = {"all-minilm-l6-v2": 256}
-# vLLM 0.32's --speculative-config methods (vllm/config/speculative.py), plus its many
-# "<family>_mtp" ones, matched by suffix.
-SPECULATIVE_METHODS: frozenset[str] = frozenset(
-    {
-        "ngram",
-        "ngram_gpu",
-        "medusa",
-        "mlp_speculator",
-        "draft_model",
-        "suffix",
-        "custom_class",
-        "eagle",
-        "eagle3",
-        "extract_hidden_states",
-        "dflash",
-        "dspark",
-        "mtp",
-    }
-)
 
 
 @dataclass(frozen=True)
@@ -368,29 +350,12 @@ def _parse_gpus(path: str, value: Any, out: dict[str, Any], problems: list[str])
 
 
 def _parse_speculative(path: str, value: Any, out: dict[str, Any], problems: list[str]) -> bool:
-    if not isinstance(value, dict):
-        problems.append(
-            f"{path} = {_show(value)}: must be a table, e.g. "
-            '{ method = "ngram", num_speculative_tokens = 4 }'
-        )
+    problem = speculative_problem(path, value)
+    if problem is not None:
+        problems.append(problem)
         return False
-    if value:
-        method = value.get("method")
-        if not isinstance(method, str) or not (
-            method in SPECULATIVE_METHODS or method.endswith("_mtp")
-        ):
-            allowed = ", ".join(sorted(SPECULATIVE_METHODS))
-            problems.append(
-                f"{path}.method = {_show(method) if method is not None else '(missing)'}: "
-                f"must be one of vLLM's methods: {allowed}, or a *_mtp method"
-            )
-            return False
-        for key, v in value.items():
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and v < 0:
-                problems.append(f"{path}.{key} = {_show(v)}: must not be negative")
-                return False
-        model = value.get("model")
-        if isinstance(model, str) and not _packaged_ok(f"{path}.model", model, problems):
-            return False
+    model = value.get("model")
+    if isinstance(model, str) and not _packaged_ok(f"{path}.model", model, problems):
+        return False
     out["speculative"] = dict(value)
     return True

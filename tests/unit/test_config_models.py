@@ -7,6 +7,7 @@ path (``models[1] ("embed").gpus``), the value it saw and what is allowed, once.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 from typing import Any
 
 import pytest
@@ -279,6 +280,21 @@ BAD: list[tuple[str, dict[str, Any], list[str]]] = [
         "speculative negative count",
         models(chat(speculative={"method": "ngram", "num_speculative_tokens": -1})),
         ['models[0] ("chat").speculative.num_speculative_tokens = -1', "not be negative"],
+    ),
+    (
+        "speculative negative number in a nested table",
+        models(chat(speculative={"method": "ngram", "opts": {"a": [1, -2]}})),
+        ['models[0] ("chat").speculative.opts.a[1] = -2', "not be negative"],
+    ),
+    (
+        "speculative NaN",
+        models(chat(speculative={"method": "ngram", "prompt_lookup_min": float("nan")})),
+        ['models[0] ("chat").speculative.prompt_lookup_min = nan', "finite number"],
+    ),
+    (
+        "speculative TOML date (no JSON for it)",
+        models(chat(speculative={"method": "ngram", "when": datetime.date(1979, 5, 27)})),
+        ['models[0] ("chat").speculative.when = ', "vLLM reads the table as JSON"],
     ),
     (
         "speculative unknown packaged draft",

@@ -4,6 +4,7 @@ and the command line and environment each engine starts with."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -231,6 +232,32 @@ def test_a_draft_model_folder_or_id_is_given_as_written(home: Path) -> None:
     p = plan({"models": [chat(model="acme/big", speculative=spec)]}, home, gpus=1)
     given = json.loads(option(p.specs[0].argv, "--speculative-config"))
     assert given["model"] == "yuhuili/EAGLE-LLaMA3-Instruct-8B"
+
+
+def test_a_draft_model_folder_has_its_tilde_expanded_and_must_exist(
+    home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "drafts" / "small").mkdir(parents=True)
+    spec = {"method": "draft_model", "model": "~/drafts/small", "num_speculative_tokens": 3}
+    p = plan({"models": [chat(model="acme/big", speculative=spec)]}, home, gpus=1)
+    given = json.loads(option(p.specs[0].argv, "--speculative-config"))
+    assert given["model"] == str(tmp_path / "drafts" / "small")  # vLLM gets no shell
+    missing = {**spec, "model": "/nope/draft"}
+    with pytest.raises(EngineSetupError) as info:
+        plan({"models": [chat(model="acme/big", speculative=missing)]}, home, gpus=1)
+    assert "models.chat.speculative.model = '/nope/draft': no such folder" in str(info.value)
+
+
+def test_an_unprepared_packaged_draft_model_says_to_run_setup(home: Path) -> None:
+    spec = {"method": "draft_model", "model": "packaged:all-minilm-l6-v2"}
+    shutil.rmtree(paths.packaged_model(home, "all-minilm-l6-v2"))
+    with pytest.raises(EngineSetupError) as info:
+        plan({"models": [chat(model="acme/big", speculative=spec)]}, home, gpus=1)
+    assert "models.chat.speculative.model = 'packaged:all-minilm-l6-v2' is not prepared" in str(
+        info.value
+    )
+    assert "setup" in str(info.value)
 
 
 def test_a_models_own_command(home: Path) -> None:
