@@ -44,6 +44,7 @@ SAVE_INTERVAL_S = 10.0
 HOUR_S = 3600
 KEEP_HOURS = 31 * 24
 MAX_FILE_BYTES = 64 * 1024 * 1024
+SETTLED = "usage_settled"  # on the client request: its tpm charge was settled
 
 
 class UsageFileError(Exception):
@@ -263,7 +264,11 @@ class UsageBook:
             usage = Usage(plan.prompt_estimate if plan is not None else 0, produced)
         self.add(record.id, usage.prompt, usage.completion)
         used = usage.prompt + usage.completion
-        self.ratelimiter.settle(record.id, record.tpm, parsed.tpm_charge, used)
+        # The charge goes back once per request: a second engine's attempt (a retry after
+        # the first died before the client saw a byte) only debits what it used.
+        charge = 0 if call.client.get(SETTLED) else parsed.tpm_charge
+        call.client[SETTLED] = True
+        self.ratelimiter.settle(record.id, record.tpm, charge, used)
 
     # ---- the daemon's life -------------------------------------------------------------
     def start(self) -> None:

@@ -6,12 +6,16 @@ import json
 import logging
 import os
 from pathlib import Path
+from types import SimpleNamespace
+from typing import cast
 
 import pytest
 from prometheus_client import CollectorRegistry
 
+from appliance.gateway.answers import EngineCall
 from appliance.gateway.ratelimit import RateLimiter
 from appliance.gateway.usage import HOUR_S, KEEP_HOURS, UsageBook, read_usage, usage_path
+from appliance.gateway.usage_events import Usage
 
 T0 = 1_700_000_000.0  # a fixed clock
 
@@ -102,3 +106,22 @@ def test_tpm_debits_the_real_count_not_the_estimate() -> None:
     assert rl.check("k", None, 1000, 500, now=0.0) is None
     rl.settle("k", 1000, 500, 1300, now=0.0)  # it used more than estimated: owed
     assert rl.check("k", None, 1000, 1, now=0.0) is not None
+
+
+def test_a_request_tried_on_two_engines_gets_its_charge_back_once(tmp_path: Path) -> None:
+    """The first engine died after producing a little (the client saw nothing, the
+    request went to another engine): both engines' tokens are debited, the admission
+    charge is returned once."""
+    rl = RateLimiter()
+    b = UsageBook(usage_path(tmp_path / "keys.json"), CollectorRegistry(), rl)
+    key = SimpleNamespace(id="k", tpm=1000)
+    client: dict[str, object] = {"key": key}
+    parsed = SimpleNamespace(tpm_charge=600, usage=None)
+    call = cast(EngineCall, SimpleNamespace(client=client, parsed=parsed))
+    assert rl.check("k", None, 1000, 600) is None  # charged 600: 400 left
+    b.finish(call, Usage(10, 1))  # the first engine: 11 used before it died
+    b.finish(call, Usage(10, 30))  # the retry: 40 used
+    assert b.counts.since(None) == {"k": (20, 31)}
+    # 1000 - 600 + 600 - 11 - 40 = 949 left (and a few ms of refill); twice back: 1000
+    assert rl.check("k", None, 1000, 990) is not None
+    assert rl.check("k", None, 1000, 940) is None
