@@ -187,6 +187,27 @@ def _authenticate(gw: Gateway, request: web.Request, scope: str) -> None:
     request["key"] = record
 
 
+def _refuse_encoded_body(request: web.Request) -> None:
+    """415 for a body in any Content-Encoding but ``identity``, before anything reads it.
+
+    The server does not inflate bodies (``auto_decompress=False`` in start_gateway): a
+    0.5 MB gzip body that inflates to 500 MiB took the event loop for seconds, before
+    authentication, every stream on the box frozen with it. The body is never read; the
+    answer closes the connection (aiohttp discards what the client still sends, raw, for
+    at most its lingering time). OpenAI's and Anthropic's clients send plain bodies."""
+    encodings = request.headers.getall("Content-Encoding", ())
+    if all(e.strip().lower() in ("", "identity") for e in encodings):
+        return
+    raise GatewayError(
+        415,
+        "compressed request bodies are not accepted: send the body without "
+        "Content-Encoding (or with 'identity')",
+        code="unsupported_content_encoding",
+        reason="content_encoding",
+        close=True,
+    )
+
+
 def _check_access(gw: Gateway, request: web.Request) -> None:
     """The key the route's scope needs (none for open routes, nor /metrics made public)."""
     scope = required_scope(request.path)
@@ -224,6 +245,7 @@ async def gateway_middleware(request: web.Request, handler: Any) -> web.StreamRe
     route = _route_label(request)
     status = 500
     try:
+        _refuse_encoded_body(request)
         _check_access(gw, request)
         resp: web.StreamResponse = await handler(request)
         status = request.get("status", resp.status)
@@ -326,6 +348,7 @@ async def start_gateway(appliance: Appliance, audit: AuditLog | None = None) -> 
         access_log=None,
         shutdown_timeout=5.0,
         handler_cancellation=True,
+        auto_decompress=False,  # request bodies are never inflated (_refuse_encoded_body)
     )
     fd_warning = ensure_fd_room(g.max_connections)
     if fd_warning:

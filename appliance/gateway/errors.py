@@ -19,6 +19,7 @@ ERROR_TYPES: Mapping[int, str] = {
     404: "not_found_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     502: "api_error",
     503: "service_unavailable",
@@ -84,6 +85,7 @@ class GatewayError(Exception):
         code: str | None = None,
         retry_after: float | None = None,
         reason: str | None = None,
+        close: bool = False,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -92,12 +94,16 @@ class GatewayError(Exception):
         self.code = code
         self.retry_after = retry_after
         self.reason = reason or code or str(status)
+        self.close = close  # the answer ends the connection (no keep-alive)
 
     def response(self) -> web.Response:
-        return error_response(
+        resp = error_response(
             self.status,
             self.message,
             param=self.param,
             code=self.code,
             retry_after=self.retry_after,
         )
+        if self.close:
+            resp.force_close()
+        return resp
