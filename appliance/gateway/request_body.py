@@ -18,6 +18,7 @@ from aiohttp.web_protocol import RequestPayloadError
 from appliance.config import GatewayConfig
 from appliance.gateway.cost import request_cost
 from appliance.gateway.errors import GatewayError
+from appliance.gateway.json_bounds import TooMuchStructure, check_structure, may_exceed
 from appliance.gateway.usage_events import UsagePlan, insert_stream_usage, plan_usage
 from appliance.policy.routing import session_key
 
@@ -99,6 +100,11 @@ def open_body(route: str, raw: bytes) -> OpenedBody:
         raise bad_request("the request body is not valid JSON") from None
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
+    if may_exceed(raw):
+        try:
+            check_structure(body)
+        except TooMuchStructure as exc:
+            raise bad_request(str(exc)) from None
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad_request("'model' is required and must be a string", "model")
