@@ -16,7 +16,8 @@ instead, which
 - answers a malformed request with an OpenAI-shaped 400 that echoes nothing of what was
   sent, and notes it in a :class:`ThrottledLog`: one short line per kind of error per
   minute plus a count of those held back, never any header or body content (both in
-  protocol_errors.py);
+  protocol_errors.py); requests pipelined before it in the same read are answered
+  first (``_parse``);
 - closes a connection whose request head is not complete ``header_timeout_s`` after it
   opened, or after the first byte of a later head, answering 408;
 - fails the body read of a request whose body is not complete ``body_timeout_s`` after
@@ -28,7 +29,8 @@ long as it needs. A keep-alive connection idle between requests is closed after
 :data:`KEEPALIVE_TIMEOUT_S`, aiohttp's own mechanism.
 
 A few of aiohttp's private ``RequestHandler`` attributes are read here (``_waiter``: the
-handler waits for a request head; ``_messages`` and ``_request_count``: heads parsed;
+handler waits for a request head; ``_messages`` and ``_request_count``: heads parsed,
+and ``_ErrInfo``, the parse error queued in their place;
 ``_force_close`` and ``_close``) and ``web.Server``'s ``_kwargs``.
 tests/unit/test_gateway_server.py drives each path through real sockets, on asyncio's
 loop and uvloop, so an aiohttp release that moves them fails there rather than in
@@ -44,6 +46,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 from aiohttp import web
+from aiohttp.web_protocol import _ErrInfo
 
 from appliance.gateway.errors import error_response
 from appliance.gateway.protocol_errors import ThrottledLog, peer_of, raw_error, reply_to_error
@@ -63,6 +66,7 @@ KEEPALIVE_TIMEOUT_S = 75.0
 # most for its client to read it and close; no more than MAX_LINGERING wait at once.
 CLOSE_LINGER_S = 1.0
 MAX_LINGERING = 256
+HEAD_END = b"\r\n\r\n"
 # File descriptors the daemon needs besides client connections (engines, pipes, files).
 FD_HEADROOM = 256
 
@@ -202,7 +206,7 @@ class GatewayRequestHandler(web.RequestHandler):
         if data and waiting_for_head and self._head_timer is None:
             self._start_head_timer()  # the first byte of a later request's head
         heads_before = self._request_count
-        super().data_received(data)
+        self._parse(data)
         if self._body is not None and self._body.is_eof():
             self._stop_body_timer()
         if self._request_count != heads_before:
@@ -210,6 +214,32 @@ class GatewayRequestHandler(web.RequestHandler):
             payload = self._messages[-1][1] if self._messages else None
             if payload is not None and not payload.is_eof():
                 self._start_body_timer(payload)
+
+    def _parse(self, data: bytes) -> None:
+        """aiohttp's parse of ``data``; head by head when it holds more than one.
+
+        aiohttp's parser raises on the first malformed request in a read, and every
+        request it had parsed before it in that read is dropped with the exception: a
+        valid request pipelined before garbage in one write lost its answer. Fed up to
+        one head end at a time, the requests before the bad one are queued before its
+        400, and answered first, in order. One read holding two head ends is rare
+        (pipelining), so the usual cost is one or two byte searches.
+        """
+        first = data.find(HEAD_END)
+        if first < 0 or data.find(HEAD_END, first + 4) < 0:
+            super().data_received(data)
+            return
+        start = 0
+        while start < len(data):
+            end = data.find(HEAD_END, start)
+            end = len(data) if end < 0 else end + 4
+            super().data_received(data[start:end])
+            if self._force_close or self._close or self._parse_failed():
+                return  # the parser is done with this connection: the rest is not read
+            start = end
+
+    def _parse_failed(self) -> bool:
+        return bool(self._messages) and isinstance(self._messages[-1][0], _ErrInfo)
 
     def _start_head_timer(self) -> None:
         self._stop_head_timer()

@@ -15,9 +15,11 @@ import json
 import socket
 import sys
 import time
+import zlib
 from collections.abc import Iterator
 from typing import Any
 
+import psutil
 import pytest
 
 from tests.fakes.appliance_proc import Appliance, fake_engine_config, run_appliance
@@ -274,6 +276,182 @@ def test_connections_beyond_the_cap_are_refused_at_once_while_open_ones_work(
             conn.close()
     refused = [line for line in gateway_lines(app) if "max_connections" in line]
     assert len(refused) == 1 and "WARNING" in refused[0]
+
+
+def gzip_bomb(inflated_mib: int) -> bytes:
+    """A gzip body of zeros: about 1 KB per MiB it inflates to."""
+    packer = zlib.compressobj(9, zlib.DEFLATED, 31)
+    chunk = bytes(1 << 20)
+    return b"".join(packer.compress(chunk) for _ in range(inflated_mib)) + packer.flush()
+
+
+def daemon_cpu_s(app: Appliance) -> float:
+    times = psutil.Process(app.proc.pid).cpu_times()
+    return float(times.user + times.system)
+
+
+def test_compressed_bodies_are_refused_unread_with_415_and_freeze_nothing(
+    daemon: tuple[Appliance, str],
+) -> None:
+    """Four unauthenticated gzip bombs (0.5 MB inflating to 500 MiB each, at once) used
+    to be inflated on the event loop after their 401: /healthz took 6.6 s and about 5 s
+    of CPU went into zlib. Now each is answered 415 without reading its body, the
+    connection closes, and the loop stays free."""
+    app, key = daemon
+    port = port_of(app)
+    bomb = gzip_bomb(500)
+    head = (
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+        f"Content-Encoding: gzip\r\nContent-Length: {len(bomb)}\r\n\r\n"
+    ).encode()
+    cpu_before = daemon_cpu_s(app)
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        bombs = [pool.submit(send_and_read_all, port, head + bomb, 30.0) for _ in range(4)]
+        slowest = 0.0
+        while not all(b.done() for b in bombs):
+            started = time.monotonic()
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+            conn.request("GET", "/healthz")
+            assert conn.getresponse().status == 200
+            conn.close()
+            slowest = max(slowest, time.monotonic() - started)
+        answers = [b.result() for b in bombs]
+    cpu_used = daemon_cpu_s(app) - cpu_before
+    print(
+        f"slowest /healthz during the bombs: {slowest * 1000:.1f} ms; daemon CPU {cpu_used:.2f} s"
+    )
+    for raw in answers:
+        status, headers, body = parse(raw)
+        assert status == 415, raw[:300]
+        assert headers.get("connection", "").lower() == "close"
+        err = openai_error(body)
+        assert err["code"] == "unsupported_content_encoding"
+        assert err["type"] == "invalid_request_error"
+    # Inflating the four would take about 5 s of CPU (1.3 s each here); reading them raw
+    # and throwing them away costs a small part of one.
+    assert cpu_used < 1.0, cpu_used
+    assert slowest < 1.0, slowest  # was 6.6 s: the loop never stalls on a body
+    assert "Traceback" not in app.log()
+    # With a key, and for every encoding but identity, the answer is the same.
+    for encoding in ("gzip", "deflate", "br", "zstd", "x-unknown", "identity, gzip"):
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        conn.request(
+            "POST",
+            "/v1/chat/completions",
+            body=b"{}",
+            headers={"Authorization": f"Bearer {key}", "Content-Encoding": encoding},
+        )
+        resp = conn.getresponse()
+        assert resp.status == 415, (encoding, resp.status)
+        conn.close()
+
+
+def test_identity_content_encoding_is_a_plain_body(daemon: tuple[Appliance, str]) -> None:
+    app, key = daemon
+    for encoding in ("identity", "Identity", ""):
+        conn = http.client.HTTPConnection("127.0.0.1", port_of(app), timeout=10)
+        body = json.dumps(
+            {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        )
+        conn.request(
+            "POST",
+            "/v1/chat/completions",
+            body=body,
+            headers={
+                "Authorization": f"Bearer {key}",
+                "Content-Encoding": encoding,
+                "Content-Type": "application/json",
+            },
+        )
+        resp = conn.getresponse()
+        assert resp.status == 200, (encoding, resp.status, resp.read()[:300])
+        resp.read()
+        conn.close()
+
+
+def test_a_malformed_request_pipelined_behind_a_valid_one_loses_no_answer(
+    daemon: tuple[Appliance, str],
+) -> None:
+    """Both in one write: the valid request is answered first, then the 400."""
+    app, key = daemon
+    valid = f"GET /v1/models HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer {key}\r\n\r\n"
+    for bad in (
+        b"GARBAGE / NOT-HTTP\r\n\r\n",
+        b"GET /v1/models HTTP/1.1\r\nHost: t\r\nX: a\rb\r\n\r\n",
+    ):
+        raw = send_and_read_all(port_of(app), valid.encode() + bad)
+        first, rest = split_answers(raw)
+        status, _, body = parse(first)
+        assert status == 200, raw[:400]
+        assert MODEL in body.decode()
+        status, _, body = parse(rest)
+        assert status == 400, raw[:600]
+        assert openai_error(body)["message"].startswith("malformed HTTP request")
+    # Several valid ones, a body among them, then garbage: every valid one answered, in order.
+    chat = json.dumps(
+        {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    )
+    post = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer {key}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(chat)}\r\n\r\n{chat}"
+    )
+    raw = send_and_read_all(
+        port_of(app), (valid + post + valid).encode() + b"NOT HTTP AT ALL\r\n\r\n"
+    )
+    statuses = []
+    while raw:
+        one, raw = split_answers(raw)
+        statuses.append(parse(one)[0])
+    assert statuses == [200, 200, 200, 400], statuses
+
+
+def test_bodies_of_empty_structure_are_refused_before_they_cost_memory(
+    daemon: tuple[Appliance, str],
+) -> None:
+    """40 concurrent 1 MiB bodies of ``"tools":[{},{},...]`` (340,000 empty objects each,
+    about 0 tokens) passed admission and took the daemon from 49 MB to 456 MB RSS. Now
+    each is a 400 naming the limit, and memory stays about where it was."""
+    app, key = daemon
+    port = port_of(app)
+    size = 1_000_000  # under the default gateway.max_body_bytes (1 MiB)
+    head = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 1,
+        "tools": [],
+    }
+    prefix = json.dumps(head)[:-2].encode()  # ...,"tools": [
+    count = (size - len(prefix) - 2) // 3
+    body = prefix + b",".join([b"{}"] * count) + b"]}"
+    request = (
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+        f"Authorization: Bearer {key}\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    ).encode() + body
+    daemon_proc = psutil.Process(app.proc.pid)
+    rss_before = daemon_proc.memory_info().rss
+    peak = rss_before
+    with concurrent.futures.ThreadPoolExecutor(40) as pool:
+        sent = [pool.submit(send_and_read_all, port, request, 60.0) for _ in range(40)]
+        while not all(f.done() for f in sent):
+            peak = max(peak, daemon_proc.memory_info().rss)
+        answers = [f.result() for f in sent]
+    grown_mb = (peak - rss_before) / 1e6
+    print(f"daemon RSS {rss_before / 1e6:.0f} MB before, peak +{grown_mb:.0f} MB")
+    for raw in answers:
+        status, _, answer = parse(raw)
+        assert status == 400, raw[:300]
+        message = openai_error(answer)["message"]
+        assert "JSON" in message and "the most the gateway accepts" in message, message
+    # One body parsed at a time, then dropped: tens of MB at most, never one per body.
+    assert grown_mb < 120, grown_mb
+
+
+def split_answers(raw: bytes) -> tuple[bytes, bytes]:
+    """The first HTTP answer in ``raw`` (by its Content-Length), and what follows."""
+    head, _, rest = raw.partition(b"\r\n\r\n")
+    _, headers, _ = parse(head + b"\r\n\r\n")
+    length = int(headers["content-length"])
+    return head + b"\r\n\r\n" + rest[:length], rest[length:]
 
 
 def test_the_flood_left_nothing_in_the_log_at_shutdown(daemon: tuple[Appliance, str]) -> None:
