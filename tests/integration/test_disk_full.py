@@ -27,7 +27,13 @@ from typing import Any
 
 import pytest
 
-from tests.fakes.appliance_proc import REPO, Appliance, fake_engine_config, run_appliance
+from tests.fakes.appliance_proc import (
+    REPO,
+    Appliance,
+    fake_engine_config,
+    run_appliance,
+    write_config,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -231,8 +237,6 @@ def test_keys_create_from_the_cli_on_a_full_disk_is_one_line_and_changes_nothing
     tmp_path: Path, state_dir: Path
 ) -> None:
     cfg = fake_engine_config(tmp_path, 1, gateway={"keys_file": str(state_dir / "keys.json")})
-    from tests.fakes.appliance_proc import write_config
-
     write_config(tmp_path / "config.toml", cfg)
     assert cli(tmp_path, "keys", "create", "--name", "first").returncode == 0
     before = (state_dir / "keys.json").read_bytes()
