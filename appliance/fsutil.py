@@ -26,6 +26,7 @@ its own (the keys store's ``KeysFileError``) re-raises it as that, with the same
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import secrets
 import stat
@@ -40,9 +41,22 @@ SAFE_OPEN = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
 class FileWriteError(ApplianceError):
-    """A directory or file could not be created or written; the message names it and why."""
+    """A directory or file could not be created or written; the message names it and why.
+
+    ``errno`` and ``reason`` (the OS's words, "No space left on device") are the OSError
+    behind it, when there was one: callers tell a full disk (ENOSPC, EDQUOT) from other
+    failures by ``errno``, and count or show episodes by ``reason``."""
 
     exit_code = 1
+
+    def __init__(self, message: str, cause: OSError | None = None) -> None:
+        super().__init__(message)
+        self.errno: int | None = cause.errno if cause is not None else None
+        self.reason: str = (cause.strerror or str(cause)) if cause is not None else message
+
+
+# The disk (or the user's quota) is full: nothing to fix but space, so callers say so.
+NO_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 
 def ensure_private_dir(directory: Path) -> None:
@@ -58,7 +72,7 @@ def ensure_private_dir(directory: Path) -> None:
             raise FileWriteError(f"{directory} exists and is not a directory") from None
     except OSError as exc:
         raise FileWriteError(
-            f"cannot create directory {directory} ({exc.strerror or exc})"
+            f"cannot create directory {directory} ({exc.strerror or exc})", exc
         ) from None
 
 
@@ -101,7 +115,7 @@ def atomic_write(path: Path, data: bytes, mode: int = 0o600) -> None:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | SAFE_OPEN, mode)
     except OSError as exc:
         raise FileWriteError(
-            f"cannot write {path} (creating a file in {directory}: {exc.strerror or exc})"
+            f"cannot write {path} (creating a file in {directory}: {exc.strerror or exc})", exc
         ) from None
     try:
         try:
@@ -115,9 +129,11 @@ def atomic_write(path: Path, data: bytes, mode: int = 0o600) -> None:
             os.close(fd)
         os.replace(tmp, path)
     except OSError as exc:
+        # A full disk fails here (write, flush or fsync): the temp file goes, and the good
+        # file was never touched (only the rename replaces it).
         with contextlib.suppress(OSError):
             os.unlink(tmp)
-        raise FileWriteError(f"cannot write {path} ({exc.strerror or exc})") from None
+        raise FileWriteError(f"cannot write {path} ({exc.strerror or exc})", exc) from None
     fsync_directory(directory)
 
 

@@ -16,6 +16,8 @@ Exit 0 when nothing is ✗, 1 when something is, 2 when the config itself is inv
     engine.py   engine venv imports vLLM (the right build), model present, readable and
                 within the GPU budget, engine sockets' directory or ports
     host.py     state dir and keys file modes, free disk, the systemd unit, /readyz
+    state_files.py  whether usage.json, audit.log, keys.json can be written (the daemon's
+                own account in /readyz, else the disk's free space and modes)
     runner.py   the order of the checks, the table and the JSON, the subcommand
 
 The doctor only reads: it changes no file, starts no engine and sends no key.

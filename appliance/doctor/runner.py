@@ -46,6 +46,8 @@ from appliance.doctor.host import (
     read_unit,
 )
 from appliance.doctor.result import Account, Result, fail, na, ok, service_account
+from appliance.doctor.state_files import NAME as STATE_NAME
+from appliance.doctor.state_files import check_state_writes
 from appliance.errors import EXIT_CONFIG, ConfigError
 from appliance.proctree import port_holder
 
@@ -65,6 +67,7 @@ class Probes:
     describe_pid: Callable[[int], tuple[str, bool]] = describe_pid
     disk_usage: Callable[[str], Any] = shutil.disk_usage
     opener: Callable[..., Any] = urllib.request.urlopen
+    statvfs: Callable[[str], Any] = os.statvfs
     account: Account | None = None  # None: the unit's User=, else llm-appliance, else us
 
 
@@ -166,7 +169,8 @@ def _host_checks(
     unit: dict[str, str] | str,
     probes: Probes,
 ) -> list[Result]:
-    """State directory, keys file, disk, the systemd unit and the gateway, in that order."""
+    """State directory, keys file, disk, the systemd unit, the gateway and whether the
+    state files can be written, in that order."""
     results = [check_state_dir(home, account)]
     if config is not None:
         results.append(check_keys_file(Path(config.gateway.keys_file), account))
@@ -176,11 +180,18 @@ def _host_checks(
         check_disk(home, setup_done=(home / paths.SETUP_MARKER).exists(), usage=probes.disk_usage)
     )
     results.append(check_systemd(unit))
-    if config is not None:
-        results.append(check_gateway(config.gateway, opener=probes.opener))
-    else:
-        results.append(na("gateway", "the config is invalid"))
-    return results
+    if config is None:
+        return [
+            *results,
+            na("gateway", "the config is invalid"),
+            na(STATE_NAME, "the config is invalid"),
+        ]
+    gateway = check_gateway(config.gateway, opener=probes.opener)
+    readyz = gateway.data.get("readyz")  # the daemon's own account of its state writes
+    state = check_state_writes(
+        Path(config.gateway.keys_file), readyz, account, statvfs=probes.statvfs
+    )
+    return [*results, gateway, state]
 
 
 def run_checks(

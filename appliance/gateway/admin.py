@@ -26,6 +26,7 @@ from aiohttp import web
 from appliance import __version__
 from appliance.audit import Outcome
 from appliance.control import CommandResult, EngineStatus, GpuStatus
+from appliance.fsutil import NO_SPACE
 from appliance.gateway.errors import GatewayError
 from appliance.gateway.keys import KeyRecord, KeysFileError, KeySpecError, validate_key_id
 
@@ -96,6 +97,13 @@ def status_document(gw: Gateway) -> dict[str, Any]:
         "queue_depth": gw.admission.queue_depth,
         "engines": [_engine_json(gw, e, status.gpu(e.telemetry_index)) for e in status.engines],
         "gpus": [_gpu_json(g) for g in status.gpus],
+        # State files (usage.json, audit.log, keys.json) failing to be written now: which,
+        # why, since when (empty while all are written fine). Serving goes on meanwhile.
+        "state_write_failures": [
+            {**failing, "path": str(w.path)}
+            for w in gw.state_files()
+            if (failing := w.as_json()) is not None
+        ],
     }
 
 
@@ -111,6 +119,16 @@ async def _answer(ask: Awaitable[CommandResult]) -> CommandResult:
             code="engine_busy",
             retry_after=5,
         ) from None
+
+
+def keys_file_error(exc: KeysFileError) -> GatewayError:
+    """A key change that could not be written (the file is unchanged): 507
+    ``insufficient_storage`` when the disk or quota is full, since retrying cannot help
+    until an admin frees space; else 503 ``keys_file_error`` (a lock held, a corrupt file:
+    worth a retry). The message names the file and the OS's reason."""
+    if exc.errno in NO_SPACE:
+        return GatewayError(507, str(exc), code="insufficient_storage")
+    return GatewayError(503, str(exc), code="keys_file_error", retry_after=5)
 
 
 @dataclass
@@ -255,7 +273,7 @@ class Admin:
         except KeySpecError as exc:
             raise GatewayError(400, str(exc), param=exc.field) from None
         except KeysFileError as exc:
-            raise GatewayError(503, str(exc), code="keys_file_error", retry_after=5) from None
+            raise keys_file_error(exc) from None
         return record, secret
 
     async def keys_delete(self, request: web.Request) -> web.Response:
@@ -269,7 +287,7 @@ class Admin:
             try:
                 removed = await asyncio.to_thread(self.gw.keys.revoke, key_id)
             except KeysFileError as exc:
-                raise GatewayError(503, str(exc), code="keys_file_error", retry_after=5) from None
+                raise keys_file_error(exc) from None
             if not removed:
                 raise GatewayError(404, f"no key with id {key_id!r}", code="unknown_key")
         return web.json_response({"id": key_id, "revoked": True})

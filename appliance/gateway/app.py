@@ -45,6 +45,7 @@ from appliance.gateway.ratelimit import RateLimiter
 from appliance.gateway.server import BodyTimeout, ConnectionLimits, GatewayRunner, ensure_fd_room
 from appliance.gateway.upstream_pool import UpstreamPool
 from appliance.gateway.usage import UsageBook, usage_path
+from appliance.state_writes import WriteHealth
 
 log = logging.getLogger("appliance.gateway")
 
@@ -63,7 +64,7 @@ class Gateway:
         self.appliance = appliance
         self.audit = audit or AuditLog(None)  # None: audit lines go to the journal only
         cfg = appliance.config.gateway
-        self.keys = KeyStore(Path(cfg.keys_file))
+        self.keys = KeyStore(Path(cfg.keys_file), logger=log)
         self.watcher = KeyWatcher(self.keys, logger=log)
         self.metrics = GatewayMetrics()
         self.ratelimiter = RateLimiter()
@@ -76,6 +77,7 @@ class Gateway:
             on_reject=lambda reason: self.metrics.rejections.labels(reason).inc(),
         )
         self.metrics.attach(appliance, self.admission)
+        self.metrics.attach_state_files(self.state_files)
         self.fallbacks = FallbackRecorder(self.metrics.fallbacks)
         # Non-streamed requests' engine connections: one client session per engine address
         # (a Unix socket needs a connector of its own), made on first use.
@@ -112,6 +114,10 @@ class Gateway:
         self.ratelimiter.forget({r.id for r in self.keys.records})
 
     # ---- helpers for handlers ------------------------------------------------------------
+    def state_files(self) -> tuple[WriteHealth, ...]:
+        """How the writes of each state file go (usage.json, audit.log, keys.json)."""
+        return (self.usage.writes, self.audit.writes, self.keys.writes)
+
     def has_other_engine(self, exclude: frozenset[int], model: str | None = None) -> bool:
         """A READY engine of ``model`` (None: any) beyond ``exclude``, to retry on."""
         return any(
@@ -141,6 +147,7 @@ class Gateway:
     async def on_cleanup(self, app: web.Application) -> None:
         await self.watcher.stop()
         await self.usage.stop()
+        self.audit.close()  # audit lines still waiting for a full disk: one last try
         self.upstreams.close()
         for session in self._sessions.values():
             await session.close()

@@ -83,7 +83,7 @@ def _audit(store: KeyStore, action: str, target: str, outcome: Outcome, **detail
     sudo_user = os.environ.get("SUDO_USER")
     if sudo_user and os.getuid() == 0:
         detail["sudo_user"] = sudo_user
-    log = AuditLog(audit_path(store.path), journal=to_syslog)
+    log = AuditLog(audit_path(store.path), journal=to_syslog, one_shot=True)
     log.record(action, target, _actor(), outcome, **detail)
 
 

@@ -9,7 +9,7 @@ pays nothing for them and they are never stale.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import (
@@ -23,6 +23,7 @@ from prometheus_client.registry import Collector
 
 from appliance.control import ApplianceStatus, ApplianceView
 from appliance.engine import EngineState
+from appliance.state_writes import STATE_FILES, WriteHealth
 
 if TYPE_CHECKING:
     from appliance.gateway.admission import Admission
@@ -53,6 +54,11 @@ class GatewayMetrics:
 
     def attach(self, view: ApplianceView, admission: Admission) -> None:
         self.registry.register(_LiveCollector(view, admission))
+
+    def attach_state_files(self, files: Callable[[], Iterable[WriteHealth]]) -> None:
+        """``appliance_state_write_errors_total{file}``: read from each file's own count at
+        scrape time, so a write pays nothing for it."""
+        self.registry.register(_StateWriteCollector(files))
 
 
 def _request_metrics(r: CollectorRegistry) -> tuple[Counter, Histogram, Histogram]:
@@ -116,6 +122,28 @@ def _admission_metrics(
         registry=r,
     )
     return queue_wait, rejections, rate_limited, failovers, fallbacks
+
+
+class _StateWriteCollector(Collector):
+    def __init__(self, files: Callable[[], Iterable[WriteHealth]]) -> None:
+        self._files = files
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        errors = CounterMetricFamily(
+            "appliance_state_write_errors",
+            "Failed writes of a state file (usage.json, audit.log, keys.json): a full disk, "
+            "a read-only file system; /admin/status says which is failing now and why",
+            labels=["file"],
+        )
+        counts = dict.fromkeys(STATE_FILES, 0)  # every file has a series, 0 until it fails
+        for w in self._files():
+            counts[w.file] = counts.get(w.file, 0) + w.errors_total
+        for file, n in counts.items():
+            errors.add_metric([file], n)
+        yield errors
 
 
 # The last health check's vLLM figures, per engine: (family, help, EngineStatus field).

@@ -57,6 +57,9 @@ class Probes:
         loads = gw.admission.loads()
         admitting = [load.id for load in loads if load.accepting]
         models = models_ready(gw, set(admitting))
+        # State files failing to be written (a full disk): which, why, since when, no path
+        # (this route has no key); `doctor` reads it. Serving goes on: it is no 503.
+        writes = [f for w in gw.state_files() if (f := w.as_json()) is not None]
         if accepting and admitting and keys_problem is None:
             return web.json_response(
                 {
@@ -64,6 +67,7 @@ class Probes:
                     "engines_ready": ready,
                     "engines_admitting": admitting,
                     "models": models,
+                    "state_write_failures": writes,
                 }
             )
         body: dict[str, Any] = {"status": "stopping"}
@@ -73,6 +77,7 @@ class Probes:
                 body["keys"] = KEYS_UNUSABLE
             body["reasons"] = {str(e): why for e, why in not_admitting(gw).items()}
         body |= {"engines_ready": ready, "engines_admitting": admitting, "models": models}
+        body["state_write_failures"] = writes
         return web.json_response(body, status=503, headers={"Retry-After": "5"})
 
     async def metrics(self, request: web.Request) -> web.Response:

@@ -11,6 +11,12 @@ or the service user finds it from the config alone. The daemon writes it atomica
 (:func:`appliance.fsutil.atomic_write`, 0600) every :data:`SAVE_INTERVAL_S` when something
 changed, and on stop; a crash loses at most that interval.
 
+A save that fails (a full disk) leaves the last good file as it was (atomic_write never
+replaces it with a half one) and loses nothing: the counts stay in memory, keep counting,
+and the whole of them is written by the next save that works. The failure is said once
+per episode and counted (:attr:`UsageBook.writes`, :mod:`appliance.state_writes`), never
+once per 10 s; requests never wait on the file.
+
 A file that cannot be read as ours is renamed aside (``usage.json.corrupt-<time>``), with
 an ERROR in the journal, and counting starts afresh: usage is worth keeping, never worth
 refusing to start over.
@@ -32,6 +38,7 @@ from prometheus_client import CollectorRegistry, Counter
 from appliance.fsutil import SAFE_OPEN, FileWriteError, atomic_write
 from appliance.gateway.ratelimit import RateLimiter
 from appliance.gateway.usage_events import Usage, is_count
+from appliance.state_writes import WriteHealth, iso
 
 if TYPE_CHECKING:
     from appliance.gateway.answers import EngineCall
@@ -170,6 +177,13 @@ class UsageBook:
         self.ratelimiter = ratelimiter
         self.counts = UsageCounts()
         self.dirty = False
+        self.writes = WriteHealth(
+            "usage.json",
+            path,
+            log,
+            "usage keeps counting in memory and is saved whole by the next save that works "
+            f"(every {SAVE_INTERVAL_S:.0f} s)",
+        )
         self._task: asyncio.Task[None] | None = None
         self._children: dict[str, tuple[Any, Any]] = {}
         self.tokens = Counter(
@@ -246,8 +260,10 @@ class UsageBook:
         try:
             atomic_write(self.path, data)
         except FileWriteError as exc:
-            self.dirty = True  # try again next time
-            log.error("usage not saved: %s", exc)
+            self.dirty = True  # the counts in memory are whole: the next save writes them
+            self.writes.failed(exc)  # said once per episode, counted every time
+        else:
+            self.writes.succeeded()
 
     # ---- the end of a request ----------------------------------------------------------
     def finish(self, call: EngineCall, usage: Usage | None, produced: int = 0) -> None:
@@ -282,6 +298,14 @@ class UsageBook:
                 await self._task
             self._task = None
         self.save()
+        failing = self.writes.failing
+        if failing is not None:
+            log.error(
+                "usage counted since %s is lost: %s could not be saved at stop (%s)",
+                iso(failing.since),
+                self.path,
+                failing.reason,
+            )
 
     async def _save_every(self) -> None:
         while True:

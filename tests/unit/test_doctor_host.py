@@ -308,6 +308,7 @@ def test_a_healthy_cpu_box_exits_0(tmp_path: Path, gateway: tuple[int, type[_Rea
         "disk": "ok",
         "systemd unit": "na",
         "gateway": "ok",
+        "state writes": "ok",
     }
     assert report.exit_code == 0
     assert render_table(report).endswith("no problems found (– lines do not apply to this machine)")

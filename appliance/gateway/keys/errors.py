@@ -24,8 +24,11 @@ class KeysFileError(ApplianceError):
     @classmethod
     def from_write(cls, exc: FileWriteError) -> KeysFileError:
         """The same failure (and message) from :mod:`appliance.fsutil`, as a keys error:
-        what the CLI, the admin API and the watcher catch."""
-        return cls(str(exc))
+        what the CLI, the admin API and the watcher catch. ``errno`` comes along, so the
+        admin API can tell a full disk (507) from other failures (503)."""
+        error = cls(str(exc))
+        error.errno = exc.errno
+        return error
 
 
 class KeySpecError(ApplianceError, ValueError):

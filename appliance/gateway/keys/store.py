@@ -15,6 +15,12 @@ cannot be used while no key is in force (at start, or after the file was removed
 the store *refusing* (:attr:`KeyStore.problem`): the gateway then answers every key with
 503 ``keys_file_error`` rather than 401, since no key could be checked at all.
 
+A change that cannot be written (a full disk: ENOSPC) leaves everything as it was: the
+file byte for byte (:func:`appliance.fsutil.atomic_write` never replaces it with a half
+one), and the keys in force (the new record is taken back out, a revoked one put back),
+so the daemon never honours a key the file does not hold. :attr:`KeyStore.writes` counts
+and shows such failures (``appliance_state_write_errors_total{file="keys.json"}``).
+
 File I/O here is blocking (small files, but an fsync and a lock): from the event loop,
 run ``create``/``revoke`` through ``asyncio.to_thread``.
 """
@@ -29,6 +35,7 @@ import os
 import stat
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
 
@@ -45,6 +52,7 @@ from appliance.gateway.keys.fields import (
 )
 from appliance.gateway.keys.format import hash_key, hash_matches, new_key, new_key_id, parse_key_id
 from appliance.gateway.keys.lock import LOCK_TIMEOUT_S, exclusive_lock, refuse_link
+from appliance.state_writes import WriteHealth
 
 # One logger for the whole package: log lines keep the name they had as one module.
 log = logging.getLogger("appliance.gateway.keys")
@@ -77,8 +85,13 @@ class KeyStore:
     endpoint may ``create`` in a worker thread) and process-safe against the CLI (flock).
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, logger: logging.Logger | None = None) -> None:
+        """``logger``: where a failed write is said, once per episode (the daemon's
+        journal); None for the CLI, which prints its own one-line error."""
         self.path = Path(path)
+        self.writes = WriteHealth(
+            "keys.json", self.path, logger, "keys cannot be created or revoked until it can"
+        )
         self.lock_path = self.path.with_name(self.path.name + ".lock")
         self._records: dict[str, KeyRecord] = {}
         self._signature: Signature | None = None
@@ -211,7 +224,12 @@ class KeyStore:
         with self._mutex:
             records = self.records
         data = render_keys_document(records)
-        atomic_write(self.path, data)
+        try:
+            fsutil.atomic_write(self.path, data)
+        except fsutil.FileWriteError as exc:
+            self.writes.failed(exc)
+            raise KeysFileError.from_write(exc) from None
+        self.writes.succeeded()
         try:
             st = os.stat(self.path)
             signature: Signature | None = (st.st_mtime_ns, st.st_size, st.st_ino)
@@ -282,8 +300,9 @@ class KeyStore:
             record, key = self.new_key(
                 name, scopes, rpm, tpm, priority, expires_days, fallback=fallback
             )
-            self.add(record)
-            self.save()
+            with self._undo_on_failure():
+                self.add(record)
+                self.save()
         return record, key
 
     def revoke(self, key_id: str) -> bool:
@@ -292,7 +311,21 @@ class KeyStore:
             self.load()
             if key_id not in self._records:
                 return False
-            with self._mutex:
-                self._records = {k: r for k, r in self._records.items() if k != key_id}
-            self.save()
+            with self._undo_on_failure():
+                with self._mutex:
+                    self._records = {k: r for k, r in self._records.items() if k != key_id}
+                self.save()
         return True
+
+    @contextlib.contextmanager
+    def _undo_on_failure(self) -> Iterator[None]:
+        """Put the records in force back as they were when the change cannot be saved: the
+        keys in force stay those of the file (which atomic_write left untouched)."""
+        with self._mutex:
+            before = self._records
+        try:
+            yield
+        except KeysFileError:
+            with self._mutex:
+                self._records = before
+            raise
