@@ -29,18 +29,18 @@ only an event of another shape is parsed with ``json.loads``.
 
 The marks are vLLM's compact bytes: another OpenAI-compatible server (``engine.command``)
 may write ``"finish_reason": "stop"``, which the mark would miss, and its usage event would
-reach a client that never asked for it. So when stripping, a stream's first event decides
-(:meth:`StreamTap._decide`): one that starts as vLLM's do (``data: {"id":"``) keeps the
-marks; any other makes the tap read every event of that stream as JSON (slower, but only
-for such engines). Without stripping the mark ``"usage"`` is every shape's key anyway.
+reach a client that never asked for it. So when stripping, a stream's first read takes
+the slow path once and its first event decides (:meth:`StreamTap._decide`): one that
+starts as vLLM's do (``data: {"id":"``) keeps the marks; any other makes the tap read
+every event of that stream as JSON (slower, only for such engines). Without stripping,
+the mark ``"usage"`` is every shape's key anyway.
 
-**Every try is counted once, however it ends**: :class:`Metering` records what a try on
-one engine got (its status, a whole answer's count, the stream's tap) as it goes, and
-:func:`charged` turns that into what the key is counted, in the relay's one ``finally``
-per try (proxy.py): the engine's own count when it came; nothing when the engine failed
-before any byte reached the client (the relay retries, or the client gets a 502/504: the
-engine's failure, not the key's) or answered an error; otherwise an upper bound that is
-never less than what the engine did (:attr:`UsagePlan.prompt_bound`, and the token
+**Every try is counted once, however it ends**: :class:`Metering` records what a try got
+(status, a whole answer's count, the stream's tap) as it goes; :func:`charged` makes it
+the key's count in the relay's one ``finally`` per try (proxy.py): the engine's own count
+when it came; nothing when the engine failed before any byte reached the client (retried,
+or a 502/504: the engine's failure, not the key's) or answered an error; else an upper
+bound never below what the engine did (:attr:`UsagePlan.prompt_bound`, and the token
 events read for a stream, everything the request allowed for a whole answer).
 """
 
@@ -363,7 +363,7 @@ class StreamTap:
 
     def produced(self) -> int:
         """Completion tokens when no usage event came (the engine was killed, the client
-        left): the token events relayed, less a chat stream's role event. vLLM sends one
+        left): the token events read, less a chat stream's role event. vLLM sends one
         event per token step (its last token rides on the finishing event), so this is
         what was produced, give or take a ``[DONE]`` that came without a usage event."""
         return max(self.events - self.preamble, 0)

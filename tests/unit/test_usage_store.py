@@ -190,3 +190,18 @@ def test_a_request_without_a_key_is_not_counted(tmp_path: Path) -> None:
     b = book(tmp_path)
     b.finish(try_of({}, chat_plan(False, 50), Metering()))
     assert b.counts.since(None) == {}
+
+
+def test_a_retry_after_a_failure_before_any_byte_is_charged_once(tmp_path: Path) -> None:
+    """The first engine failed before the client saw a byte (counted nothing), the second
+    answered: the key pays the second's count once, and the admission charge goes back
+    once."""
+    rl = RateLimiter()
+    b = UsageBook(usage_path(tmp_path / "keys.json"), CollectorRegistry(), rl)
+    client: dict[str, object] = {"key": SimpleNamespace(id="k", tpm=1000)}
+    assert rl.check("k", None, 1000, 600) is None  # charged 600: 400 left
+    b.finish(try_of(client, chat_plan(False, 50), Metering(failed=True)))
+    b.finish(try_of(client, chat_plan(False, 50), Metering(status=200, answer=Usage(30, 20))))
+    assert b.counts.since(None) == {"k": (30, 20)}
+    assert rl.check("k", None, 1000, 960) is not None  # 950 left, not 1000 nor 350
+    assert rl.check("k", None, 1000, 940) is None
