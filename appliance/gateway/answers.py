@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from aiohttp import web
 
@@ -21,6 +21,7 @@ from appliance.gateway.errors import GatewayError, sse_error_event
 from appliance.gateway.failures import Attempt
 from appliance.gateway.http1 import AnswerTooLarge
 from appliance.gateway.request_body import ParsedRequest
+from appliance.gateway.usage_events import Metering
 
 log = logging.getLogger("appliance.gateway")
 
@@ -36,6 +37,7 @@ class EngineCall:
     path: str  # the engine's route, e.g. /v1/chat/completions
     headers: dict[str, str]  # the engine's key, not the client's
     started: float  # time.monotonic() when the request arrived, for the TTFT metric
+    meter: Metering = field(default_factory=Metering)  # what the try got, for its usage
 
 
 def stream_response(content_type: str) -> web.StreamResponse:

@@ -25,10 +25,31 @@ this cost, so it counts what the engine will really do, not what the body weighs
   cost more than that.
 
 Field errors are 400s that name the field. Everything else is the engine's to validate.
+
+**When the engine's count never comes** (a stream cut before its usage event, a client
+gone before a whole answer, an abandoned engine) the key is charged an upper bound
+instead (:func:`prompt_bound`, ``Cost.completion_bound``), never the estimate above: the
+estimate may be low (dense text is nearer a token per 2 characters than per 4), and a
+count that is too low is free tokens. Why the bound holds, for the tokenizers vLLM runs:
+
+- byte-level BPE (GPT-2, Llama 3, Qwen, SmolLM2): the base vocabulary is the 256 byte
+  values and every merge joins two tokens into one, so a text of ``b`` UTF-8 bytes is at
+  most ``b`` tokens; SentencePiece BPE with byte fallback (Llama 2, Mistral): each piece
+  covers at least one character, an unknown character falls back to one token per byte,
+  plus at most one dummy-prefix piece. So: UTF-8 bytes, plus :data:`TOKENS_PER_TEXT`;
+- a chat template wraps each message in markers (:data:`TOKENS_PER_MESSAGE`, plus the
+  role's bytes) and adds text of its own (a default system prompt, the generation
+  prompt: :data:`TEMPLATE_TOKENS`; with tools, their instructions: :data:`TOOLS_TOKENS`);
+  tools and tool calls are rendered as JSON, counted as the bytes of ``json.dumps`` with
+  ``indent=4`` (the widest rendering templates use);
+- what the gateway cannot bound (an image or audio part, a client-sent
+  ``chat_template`` or ``documents``) counts as the whole context, and every prompt is
+  capped at ``max_model_len``, which vLLM never lets a prompt pass.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +62,10 @@ UTF8_BYTES_PER_TOKEN = 3
 TOKENS_PER_MESSAGE = 8  # role markers and separators a chat template puts around a message
 MEDIA_PART_TOKENS = 1024  # an image or audio part: a flat guess, its size depends on the model
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # vLLM's (and OpenAI's) when absent or null
+TOKENS_PER_TEXT = 2  # a BOS and a SentencePiece dummy prefix, at most, around one text
+TEMPLATE_TOKENS = 128  # a chat template's own text: default system prompt, generation prompt
+TOOLS_TOKENS = 256  # a template's instructions around tool definitions
+UNBOUNDED_FIELDS = ("chat_template", "documents")  # rendered by rules the gateway cannot see
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +73,9 @@ class Cost:
     tokens: int  # what admission and the tpm bucket are charged
     # (field, value) the forwarded body must carry so the engine stops where counted
     write: tuple[str, int] | None = None
+    # the most the engine may generate, all prompts and sequences: what a request cut off
+    # with no answer is charged for its completion
+    completion_bound: int = 0
 
 
 def _bad(message: str, param: str) -> GatewayError:
@@ -184,4 +212,61 @@ def request_cost(
         elif asked < COMPLETIONS_DEFAULT_MAX_TOKENS:
             write = ("max_tokens", asked)
     tokens = sum(sequences * min(p + asked, max_model_len) for p in prompts)
-    return Cost(tokens, write)
+    return Cost(tokens, write, len(prompts) * sequences * asked)
+
+
+# ---- the upper bound, for a request whose engine never said its count -------------------
+def text_bound(text: str) -> int:
+    """At most how many tokens a text is (see the module's docstring)."""
+    return len(text.encode("utf-8", "surrogatepass")) + TOKENS_PER_TEXT
+
+
+def json_bound(value: Any) -> int:
+    """At most how many tokens a JSON value a template renders whole (tools, tool calls)."""
+    try:
+        rendered = json.dumps(value, ensure_ascii=False, indent=4)
+    except (ValueError, RecursionError):  # json.loads read it: cannot happen, never fail here
+        rendered = json.dumps(str(value))
+    return text_bound(rendered)
+
+
+def _message_bound(message: Any, context: int) -> int:
+    if not isinstance(message, dict):
+        return json_bound(message)
+    total = TOKENS_PER_MESSAGE
+    for name, value in message.items():
+        if isinstance(value, str):
+            total += text_bound(value)  # role, content, name, tool_call_id, ...
+        elif name == "content" and isinstance(value, list):
+            for part in value:
+                text = part.get("text") if isinstance(part, dict) else part
+                total += text_bound(text) if isinstance(text, str) else context
+        elif value is not None:
+            total += json_bound(value)
+    return total
+
+
+def _one_prompt_bound(prompt: Any, context: int) -> int:
+    if isinstance(prompt, str):
+        return min(text_bound(prompt), context)
+    if isinstance(prompt, list):
+        return min(len(prompt), context)  # token ids: exact
+    return 1
+
+
+def prompt_bound(route: str, body: Mapping[str, Any], max_model_len: int) -> int:
+    """At most how many prompt tokens the engine counts for this request (all prompts)."""
+    if route == "chat":
+        if any(body.get(name) is not None for name in UNBOUNDED_FIELDS):
+            return max_model_len
+        tools = body.get("tools")
+        total = TEMPLATE_TOKENS
+        if tools is not None:
+            total += TOOLS_TOKENS + json_bound(tools)
+        for message in body.get("messages") or ():
+            total += _message_bound(message, max_model_len)
+        return min(total, max_model_len)
+    value = body.get("prompt" if route == "completions" else "input")
+    if isinstance(value, list) and value and not isinstance(value[0], int):
+        return sum(_one_prompt_bound(p, max_model_len) for p in value)
+    return _one_prompt_bound(value, max_model_len)

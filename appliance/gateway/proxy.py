@@ -278,10 +278,16 @@ class Relay:
         attempt = Attempt(asyncio.current_task())
         attempts = self._attempts[engine_id]
         attempts.add(attempt)
+        call = EngineCall(request, parsed, attempt, snap.address, path, headers, started)
         try:
-            call = EngineCall(request, parsed, attempt, snap.address, path, headers, started)
             if parsed.stream and request.version >= HttpVersion11:
-                return await relay_via_splice(self.gw, call)
-            return await relay_via_client(self.gw, call)
+                result = await relay_via_splice(self.gw, call)
+            else:
+                result = await relay_via_client(self.gw, call)
+            call.meter.failed = isinstance(result, EngineFailure)
+            return result
         finally:
             attempts.discard(attempt)
+            # The one place a try's tokens are counted, however it ended: an answer, a
+            # break, a client gone (cancelled), an abandoned engine (usage_events.charged).
+            self.gw.usage.finish(call)

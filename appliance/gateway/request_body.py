@@ -145,7 +145,8 @@ def finish_body(
     canonical = model or opened.model
     cost = request_cost(route, body, limits, max_model_len)
     raw = opened.raw
-    plan = plan_usage(route, opened.stream, body, limits.max_prompts)  # may add stream_options
+    # may add stream_options; keeps what a request cut off before its count is charged
+    plan = plan_usage(route, opened.stream, body, max_model_len, cost.completion_bound)
     rewrite = canonical != opened.model or plan.rewrite
     if rewrite:
         body["model"] = canonical

@@ -1,6 +1,8 @@
 """Tokens used per API key: counted from the engine's own ``usage``, kept across restarts.
 
-Each finished request adds its prompt and completion tokens to its key id (never the
+Each try of a request on an engine, however it ends, adds its prompt and completion
+tokens (the engine's own, or an upper bound when they never came: usage_events.charged)
+to its key id (never the
 secret): to ``appliance_key_tokens_total{key,kind}`` and to :class:`UsageBook`, which
 keeps per key the totals and hourly buckets (31 days of them, so ``keys usage --since``
 can answer for any window up to that, at an hour's grain).
@@ -37,7 +39,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from appliance.fsutil import SAFE_OPEN, FileWriteError, atomic_write
 from appliance.gateway.ratelimit import RateLimiter
-from appliance.gateway.usage_events import Usage, is_count
+from appliance.gateway.usage_events import charged, is_count
 from appliance.state_writes import WriteHealth, iso
 
 if TYPE_CHECKING:
@@ -266,25 +268,22 @@ class UsageBook:
             self.writes.succeeded()
 
     # ---- the end of a request ----------------------------------------------------------
-    def finish(self, call: EngineCall, usage: Usage | None, produced: int = 0) -> None:
-        """Count a relayed answer for its key, and debit its key's tpm bucket with the real
-        count instead of the admission estimate. ``usage`` None: the engine's count never
-        came (the stream broke, the engine was killed, the client left): the prompt
-        estimate and the ``produced`` token events stand in for it."""
+    def finish(self, call: EngineCall) -> None:
+        """One try on one engine ended, however it ended (proxy.py calls this from the
+        try's one ``finally``): count what it used for its key (:func:`charged`: the
+        engine's own count, or a bound never below what the engine did), and debit the
+        key's tpm bucket with that instead of the admission charge."""
         record = call.client.get("key")
         if record is None:
             return
-        parsed = call.parsed
-        if usage is None:
-            plan = parsed.usage
-            usage = Usage(plan.prompt_estimate if plan is not None else 0, produced)
+        usage = charged(call.meter, call.parsed.usage)
         self.add(record.id, usage.prompt, usage.completion)
-        used = usage.prompt + usage.completion
-        # The charge goes back once per request: a second engine's attempt (a retry after
-        # the first died before the client saw a byte) only debits what it used.
-        charge = 0 if call.client.get(SETTLED) else parsed.tpm_charge
+        # The charge goes back once per request: a second engine's try (a retry after the
+        # first failed before the client saw a byte, which counts nothing) debits what it
+        # used, and is not given the charge back again.
+        charge = 0 if call.client.get(SETTLED) else call.parsed.tpm_charge
         call.client[SETTLED] = True
-        self.ratelimiter.settle(record.id, record.tpm, charge, used)
+        self.ratelimiter.settle(record.id, record.tpm, charge, usage.prompt + usage.completion)
 
     # ---- the daemon's life -------------------------------------------------------------
     def start(self) -> None:

@@ -26,6 +26,22 @@ at one by one), else for ``"usage"``. Neither can occur inside a JSON string val
 quotes are escaped), so a token's text never triggers the slow path. The usage event,
 as vLLM writes it, is read off its bytes with one anchored regex (:data:`_VLLM_USAGE`);
 only an event of another shape is parsed with ``json.loads``.
+
+The marks are vLLM's compact bytes: another OpenAI-compatible server (``engine.command``)
+may write ``"finish_reason": "stop"``, which the mark would miss, and its usage event would
+reach a client that never asked for it. So when stripping, a stream's first read takes
+the slow path once and its first event decides (:meth:`StreamTap._decide`): one that
+starts as vLLM's do (``data: {"id":"``) keeps the marks; any other makes the tap read
+every event of that stream as JSON (slower, only for such engines). Without stripping,
+the mark ``"usage"`` is every shape's key anyway.
+
+**Every try is counted once, however it ends**: :class:`Metering` records what a try got
+(status, a whole answer's count, the stream's tap) as it goes; :func:`charged` makes it
+the key's count in the relay's one ``finally`` per try (proxy.py): the engine's own count
+when it came; nothing when the engine failed before any byte reached the client (retried,
+or a 502/504: the engine's failure, not the key's) or answered an error; else an upper
+bound never below what the engine did (:attr:`UsagePlan.prompt_bound`, and the token
+events read for a stream, everything the request allowed for a whole answer).
 """
 
 from __future__ import annotations
@@ -35,7 +51,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, TypeGuard
 
-from appliance.gateway.cost import chat_prompt_tokens, prompt_tokens
+from appliance.gateway.cost import prompt_bound
 from appliance.gateway.http1 import scan_chunks
 
 USAGE_MARK = b'"usage"'
@@ -61,6 +77,10 @@ _VLLM_USAGE = re.compile(
 # bytes are what json.dumps would write, and go back on the finishing events verbatim.
 _FINGERPRINT = re.compile(rb',"system_fingerprint":("[\x20\x21\x23-\x5b\x5d-\x7e]*")[,}]')
 FINGERPRINT_KEY = b',"system_fingerprint":'
+FINGERPRINT_NAME = b'"system_fingerprint"'
+VLLM_FIRST = b'data: {"id":"'  # how every event vLLM streams starts (its id comes first)
+COMPACT = (b",", b":")  # JSON separators: vLLM's
+SPACED = (b", ", b": ")  # json.dumps' default
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,39 +88,52 @@ class UsagePlan:
     """What the gateway does about a request's token counts."""
 
     added: bool  # the gateway asked for the stream's usage event: strip it from the client's
-    fields: dict[str, Any]  # the request, for the prompt estimate (only needed on a break)
-    max_prompts: int
+    fields: dict[str, Any]  # the request, for the upper bound (only needed when cut off)
+    route: str
+    stream: bool
+    max_model_len: int  # of the model it goes to: no prompt is counted above it
+    completion_bound: int = 0  # the most it may generate (cost.py): a whole answer cut off
     rewrite: bool = False  # the body must be re-serialised (the client sent stream_options)
     preamble: int = 0  # events before the first token: a chat stream's role event
 
     @property
-    def prompt_estimate(self) -> int:
-        """The prompt tokens counted when the engine's usage never comes (estimated only
-        then: the request path already paid for one estimate, in cost.py)."""
-        return _prompt_estimate(self.fields, self.max_prompts, self.preamble)
+    def prompt_bound(self) -> int:
+        """The prompt tokens counted when the engine's count never comes: never fewer than
+        the engine counted (cost.prompt_bound says why). Worked out only then."""
+        try:
+            return prompt_bound(self.route, self.fields, self.max_model_len)
+        except Exception:  # already checked by request_cost: never fail a request here
+            return self.max_model_len
 
 
-def plan_usage(route: str, stream: bool, body: dict[str, Any], max_prompts: int) -> UsagePlan:
+def plan_usage(
+    route: str, stream: bool, body: dict[str, Any], max_model_len: int, completion_bound: int = 0
+) -> UsagePlan:
     """Ask for the stream's usage event when the client did not (``body`` is updated);
-    the prompt estimate is kept for a stream that dies before its usage event."""
-    estimate = body, max_prompts  # the prompt estimate's inputs, for a stream that breaks
+    what the upper bound needs is kept, for a request cut off before its count."""
     preamble = 1 if route == "chat" else 0
+
+    def plan(added: bool, rewrite: bool = False) -> UsagePlan:
+        return UsagePlan(
+            added, body, route, stream, max_model_len, completion_bound, rewrite, preamble
+        )
+
     if not stream or route not in ROUTES_WITH_STREAM_USAGE:
-        return UsagePlan(False, *estimate, preamble=preamble)
+        return plan(False)
     options = body.get("stream_options")
     if isinstance(options, dict) and options.get("include_usage") is True:
-        return UsagePlan(False, *estimate, preamble=preamble)  # the client reads it too
+        return plan(False)  # the client reads it too
     if isinstance(options, dict):
         # continuous_usage_stats would take effect with include_usage: keep it off.
         body["stream_options"] = {**options, "include_usage": True, "continuous_usage_stats": False}
-        return UsagePlan(True, *estimate, rewrite=True, preamble=preamble)
+        return plan(True, rewrite=True)
     if options is not None:
-        return UsagePlan(False, *estimate, preamble=preamble)  # not an object: vLLM refuses it
+        return plan(False)  # not an object: vLLM refuses it
     # "stream_options": null in the client's bytes would win over a field put first (the
     # last of two equal keys wins): then the body is written anew.
     written = "stream_options" in body
     body["stream_options"] = {"include_usage": True}
-    return UsagePlan(True, *estimate, rewrite=written, preamble=preamble)
+    return plan(True, rewrite=written)
 
 
 def insert_stream_usage(raw: bytes) -> bytes | None:
@@ -110,16 +143,6 @@ def insert_stream_usage(raw: bytes) -> bytes | None:
     if raw[start : start + 1] != b"{" or json.detect_encoding(raw) != "utf-8":
         return None  # json.loads also reads UTF-16 and UTF-32, where ASCII cannot go in
     return raw[: start + 1] + STREAM_USAGE + raw[start + 1 :]
-
-
-def _prompt_estimate(body: dict[str, Any], max_prompts: int, chat: int) -> int:
-    try:
-        if chat:
-            return chat_prompt_tokens(body["messages"], body.get("tools"))
-        field = "prompt" if "prompt" in body else "input"
-        return sum(prompt_tokens(body[field], field, max_prompts))
-    except Exception:  # already checked by request_cost: never fail a request here
-        return 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,24 +217,29 @@ def _frame(payload: bytes) -> bytes:
     return b"%x\r\n" % len(payload) + payload + b"\r\n"
 
 
-def _with_fingerprint(payload: bytes, fingerprint: bytes) -> bytes:
-    """A finishing event with ``system_fingerprint`` as its last field, as vLLM writes it."""
+def _with_fingerprint(
+    payload: bytes, fingerprint: bytes, separators: tuple[bytes, bytes] = (b",", b":")
+) -> bytes:
+    """A finishing event with ``system_fingerprint`` as its last field, as vLLM writes it
+    (an engine that writes spaces: as json.dumps writes it by default)."""
     body = payload.rstrip()
     if not body.endswith(b"}"):
         return payload
     tail = payload[len(body) :]
-    return body[:-1] + b',"system_fingerprint":' + fingerprint + b"}" + tail
+    item, key = separators
+    return body[:-1] + item + FINGERPRINT_NAME + key + fingerprint + b"}" + tail
 
 
 class StreamTap:
     """One stream's view of its events: the engine's usage, and how many events passed.
 
     ``strip``: the gateway asked for the usage event, so the client must not see it.
-    ``events`` counts the events relayed, which stands in for the completion tokens when
-    the stream ends without a usage event (vLLM sends one event per token step).
+    ``events`` counts the events read from the engine, which stands in for the
+    completion tokens when the stream ends without a usage event (vLLM sends one event
+    per token step).
     """
 
-    __slots__ = ("events", "held", "mark", "preamble", "strip", "usage")
+    __slots__ = ("by_json", "events", "held", "mark", "preamble", "separators", "strip", "usage")
 
     @classmethod
     def for_plan(cls, plan: UsagePlan | None) -> StreamTap:
@@ -222,7 +250,10 @@ class StreamTap:
     def __init__(self, strip: bool, preamble: int = 0) -> None:
         self.strip = strip
         # What sends a read off the fast path (the module's docstring says why one suffices).
-        self.mark = FINISH_MARK if strip else USAGE_MARK
+        # Stripping, b"" (found in any read) until the first event says the shape (_decide).
+        self.mark = b"" if strip else USAGE_MARK
+        self.by_json = False  # not vLLM's shape: every event is read as JSON
+        self.separators = COMPACT  # the engine's JSON separators, for the fingerprint
         self.preamble = preamble
         self.events = 0
         self.usage: Usage | None = None
@@ -238,7 +269,10 @@ class StreamTap:
             return wire
         _, payloads, _ = scan_chunks(wire)
         self.events += len(payloads)
-        return b"".join(_frame(p) for p in self._events(payloads))
+        out = self._events(payloads)
+        if out == payloads:
+            return wire  # nothing taken out (the stream's first read, say): as it came
+        return b"".join(_frame(p) for p in out)
 
     def last(self, wire: bytes) -> bytes:
         """The whole chunks before the body's end, then any events still held (the
@@ -275,12 +309,35 @@ class StreamTap:
         C-level search, two while a finishing event waits."""
         return self.mark not in data and (self.held is None or USAGE_MARK not in data)
 
+    def _decide(self, first: bytes) -> None:
+        """The shape of this stream's events, from its first: vLLM's compact one keeps the
+        byte marks, any other is read event by event as JSON."""
+        if first.startswith(VLLM_FIRST):
+            self.mark = FINISH_MARK
+            return
+        self.by_json = True  # self.mark stays b"": every read is looked at
+        key = first.find(b'":')  # the first key's colon: structure, never a value's text
+        if first[key + 2 : key + 3] == b" ":
+            self.separators = SPACED
+
+    def _finishes(self, payload: bytes) -> bool:
+        """Whether ``payload`` is a finishing event (some choice has a finish_reason)."""
+        if not self.by_json:
+            return FINISH_MARK in payload
+        obj = _event_json(payload)
+        choices = obj.get("choices") if isinstance(obj, dict) else None
+        return isinstance(choices, list) and any(
+            isinstance(c, dict) and c.get("finish_reason") is not None for c in choices
+        )
+
     def _events(self, payloads: list[bytes]) -> list[bytes]:
+        if not self.mark and not self.by_json and payloads:
+            self._decide(payloads[0])
         out: list[bytes] = []
         for payload in payloads:
             if USAGE_MARK in payload and self._take_usage(payload, out):
                 continue
-            if self.strip and FINISH_MARK in payload:
+            if self.strip and self._finishes(payload):
                 if self.held is None:
                     self.held = []
                 self.held.append(payload)
@@ -298,15 +355,45 @@ class StreamTap:
         if not self.strip:
             return False
         for held in self.held or ():
-            if fp is not None and FINISH_MARK in held:
-                held = _with_fingerprint(held, fp)
+            if fp is not None and FINGERPRINT_NAME not in held:
+                held = _with_fingerprint(held, fp, self.separators)
             out.append(held)
         self.held = None
         return True
 
     def produced(self) -> int:
         """Completion tokens when no usage event came (the engine was killed, the client
-        left): the token events relayed, less a chat stream's role event. vLLM sends one
+        left): the token events read, less a chat stream's role event. vLLM sends one
         event per token step (its last token rides on the finishing event), so this is
         what was produced, give or take a ``[DONE]`` that came without a usage event."""
         return max(self.events - self.preamble, 0)
+
+
+@dataclass(slots=True)
+class Metering:
+    """What one try on one engine got, filled in as it goes by the relay path that runs
+    it, and read once when it ends (:func:`charged`), however it ends."""
+
+    failed: bool = False  # an engine failure before any byte reached the client
+    status: int = 0  # the engine's answer status, once its head came
+    answer: Usage | None = None  # a whole answer's own count
+    tap: StreamTap | None = None  # a stream's: its usage event and the token events read
+
+
+def charged(meter: Metering, plan: UsagePlan | None) -> Usage:
+    """What a try is counted for its key (the module's docstring says why)."""
+    if meter.failed or meter.status not in (0, 200):
+        return Usage(0, 0)
+    tap = meter.tap
+    if tap is not None and tap.usage is not None:
+        return tap.usage
+    if tap is None and meter.answer is not None:
+        return meter.answer
+    if plan is None:  # every relayed request has a plan (request_body.finish_body)
+        return Usage(0, tap.produced() if tap is not None else 0)
+    # Cut off before the engine's count (a break, a client gone, an abandoned engine):
+    # a stream is charged the token events read (the engine stops within a step of its
+    # connection closing), a whole answer everything it was allowed (nothing says less).
+    if tap is not None:
+        return Usage(plan.prompt_bound, tap.produced())
+    return Usage(plan.prompt_bound, 0 if plan.stream else plan.completion_bound)

@@ -43,6 +43,7 @@ async def relay_via_client(gw: Gateway, call: EngineCall) -> web.StreamResponse 
     if isinstance(upstream, EngineFailure):
         return upstream
     call.attempt.close = upstream.close
+    call.meter.status = upstream.status
     try:
         if upstream.status in RETRYABLE_STATUS:
             return EngineFailure.engine_answered(upstream.status)
@@ -90,20 +91,16 @@ async def _answer_whole(
         content_type=upstream.content_type or "application/json",
     )
     gw.metrics.first_byte(call.parsed.route, call.parsed.model, call.started)
-    if upstream.status == 200:
-        gw.usage.finish(call, usage_of_answer(body))
+    call.meter.answer = usage_of_answer(body)  # counted by the relay, however the try ends
     return resp
 
 
 async def _stream(
     gw: Gateway, call: EngineCall, upstream: aiohttp.ClientResponse
 ) -> web.StreamResponse:
-    tap = StreamTap.for_plan(call.parsed.usage)
-    try:
-        return await _stream_events(gw, call, upstream, tap)
-    finally:
-        if tap.events:  # the stream reached the client: count it, however it ended
-            gw.usage.finish(call, tap.usage, tap.produced())
+    # The relay counts the stream from its tap, however it ends (usage_events.charged).
+    call.meter.tap = tap = StreamTap.for_plan(call.parsed.usage)
+    return await _stream_events(gw, call, upstream, tap)
 
 
 async def _stream_events(

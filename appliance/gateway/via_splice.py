@@ -19,7 +19,7 @@ from appliance.gateway.failures import RETRYABLE_STATUS, EngineFailure, failure_
 from appliance.gateway.http1 import Head, UpstreamError, request_bytes
 from appliance.gateway.splice import UpstreamConnection
 from appliance.gateway.upstream_pool import UpstreamPool
-from appliance.gateway.usage_events import StreamTap
+from appliance.gateway.usage_events import StreamTap, usage_of_answer
 
 if TYPE_CHECKING:
     from appliance.gateway.app import Gateway
@@ -33,19 +33,15 @@ async def relay_via_splice(gw: Gateway, call: EngineCall) -> web.StreamResponse 
         return conn
     attempt = call.attempt
     attempt.close = lambda: conn.abort(attempt.why)
-    tap = None
     try:
         head = await _until_first_chunk(gw, call, conn)
         if not isinstance(head, Head):
             return head  # a whole answer, or a failure to retry elsewhere
-        conn.tap = tap = StreamTap.for_plan(call.parsed.usage)
         resp = stream_response(head.headers.get("content-type", "text/event-stream"))
         resp.enable_chunked_encoding()
         ended = await _splice_stream(gw, call, conn, resp)
     finally:
         pool.release(call.address, conn)
-        if tap is not None:  # the stream reached the client: count it, however it ended
-            gw.usage.finish(call, tap.usage, tap.produced())
     if ended:
         with contextlib.suppress(ConnectionError):
             await resp.write_eof()
@@ -74,16 +70,21 @@ async def _until_first_chunk(
         head = await conn.send(
             request_bytes(call.path, call.address.host, call.headers, call.parsed.body)
         )
+        call.meter.status = head.status
         if head.status in RETRYABLE_STATUS:
             return EngineFailure.engine_answered(head.status)
         if head.status != 200 or not head.chunked:
             body = await read_whole(gw.appliance.config.gateway.max_answer_bytes, conn.read_body)
             gw.metrics.first_byte(call.parsed.route, call.parsed.model, call.started)
+            call.meter.answer = usage_of_answer(body)
             return web.Response(
                 status=head.status,
                 body=body,
                 content_type=head.headers.get("content-type", "application/json").split(";")[0],
             )
+        # The relay counts the stream from its tap, however it ends (usage_events.charged):
+        # from the head on, so a stream cut before its first chunk is counted too.
+        call.meter.tap = conn.tap = StreamTap.for_plan(call.parsed.usage)
         # Headers go out with the first chunk: until then a failure can still be
         # retried elsewhere without the client knowing.
         await conn.wait_first_chunk()

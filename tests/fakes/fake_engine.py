@@ -31,6 +31,10 @@ a JSON object, loopback only, no auth; ``GET /fake/stats`` for counters):
     fail_requests           inference routes answer 500
     crash                   exit at once (true: code 1, or an int code), child left
     reset_stats             zero the counters
+    json_spaces             write stream events as json.dumps does by default ("a": 1),
+                            as other OpenAI-compatible servers do, not vLLM's compact JSON
+    break_before_usage      a stream's connection drops after its last token, before the
+                            finishing and usage events
 """
 
 from __future__ import annotations
@@ -75,6 +79,7 @@ CONTROL_KEYS = {
     "reset_stats",
 }
 LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
+STREAM_FAULTS = ("json_spaces", "break_before_usage")  # control-only switches, off at start
 
 
 def log(msg: str) -> None:
@@ -256,6 +261,7 @@ class FakeEngine:
         self.preemptions_per_request = args.preemptions_per_request
         self.fail_requests = bool(args.fail_requests)
         self.slots = asyncio.Semaphore(max(1, args.max_num_seqs))
+        self.faults = dict.fromkeys(STREAM_FAULTS, False)
         self.reset_stats()
 
     def reset_stats(self) -> None:
@@ -566,7 +572,7 @@ class FakeEngine:
             return error_response("body must be JSON")
         if not isinstance(body, dict):
             return error_response("body must be a JSON object")
-        unknown = set(body) - CONTROL_KEYS
+        unknown = set(body) - CONTROL_KEYS - set(STREAM_FAULTS)
         if unknown:
             return error_response(
                 f"unknown control keys {sorted(unknown)}; allowed: {sorted(CONTROL_KEYS)}"
@@ -575,6 +581,7 @@ class FakeEngine:
             code = 1 if body["crash"] is True else int(body["crash"])
             print(f"ERROR fake engine crashing with code {code}", file=sys.stderr, flush=True)
             os._exit(code)
+        self.faults.update({k: bool(body[k]) for k in STREAM_FAULTS if k in body})
         if body.get("reset_stats"):
             self.reset_stats()
         if "hang" in body:
@@ -710,7 +717,8 @@ class FakeEngine:
                 data["usage"] = usage
             if stamp:
                 data["system_fingerprint"] = SYSTEM_FINGERPRINT
-            return f"data: {json.dumps(data, separators=COMPACT)}\n\n".encode()  # as vLLM
+            spaces = self.faults["json_spaces"]
+            return f"data: {json.dumps(data, separators=None if spaces else COMPACT)}\n\n".encode()
 
         def piece(i: int, text: str, finish: str | None) -> dict[str, Any]:
             if kind == "chat":
@@ -828,6 +836,9 @@ class FakeEngine:
                     "kv_transfer_params": None,
                 }
             )
+        if self.faults["break_before_usage"] and request.transport is not None:
+            request.transport.close()  # the client reads a body cut short
+            return resp
         try:
             # As vLLM 0.32: the fingerprint on the finishing events, or, with
             # include_usage, on the usage event (just before [DONE]) instead.

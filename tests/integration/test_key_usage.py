@@ -7,6 +7,11 @@ include_usage; one that asked gets the usage event; streamed and whole answers a
 per key id from the engine's own numbers (``keys usage --json``, the metric); the counts
 survive a restart; an engine killed mid-stream still counts the tokens relayed; a corrupt
 usage file is set aside and the daemon starts.
+
+Issue 20, item 3, on both relay paths (the splice: HTTP/1.1 streams; aiohttp's client:
+whole answers and HTTP/1.0 streams): a client gone before its answer is counted; a
+stream cut before its usage event is charged at least what the engine did; an engine
+writing JSON with spaces gets exact counts and its usage event taken out.
 """
 
 from __future__ import annotations
@@ -110,7 +115,8 @@ def metrics(app: Appliance) -> str:
 
 def same_answer(a: bytes) -> bytes:
     """A stream with its per-request id and timestamp taken out."""
-    return re.sub(rb'"created":\d+', b'"created":0', re.sub(rb"chatcmpl-[0-9a-f]+", b"ID", a))
+    a = re.sub(rb"chatcmpl-[0-9a-f]+", b"ID", a)
+    return re.sub(rb'"created":( ?)\d+', rb'"created":\g<1>0', a)  # compact or with spaces
 
 
 def keys_usage(tmp: Path, *args: str) -> dict[str, Any]:
@@ -273,3 +279,91 @@ def test_a_corrupt_usage_file_is_set_aside_and_the_daemon_starts(tmp_path: Path)
         assert "not a usage file" in app.log()
         aside = list(tmp_path.glob("usage.json.corrupt-*"))
         assert len(aside) == 1 and aside[0].read_text() == "{ this is not json"
+
+
+# ---- issue 20, item 3: every token counted on every path ---------------------------------
+DENSE = "a " * 3000  # a token a word for many tokenizers: ~1 per 2 characters
+DENSE_PROMPT = 3000 + 4 + 2  # as the fake engine counts it: words, 4 a message, 2 a chat
+PATHS = {"whole answer": (False, "1.1"), "splice": (True, "1.1"), "http/1.0": (True, "1.0")}
+
+
+def tokens_of(app: Appliance, kid: str, kind: str) -> float:
+    m = re.search(rf'appliance_key_tokens_total{{key="{kid}",kind="{kind}"}} (\S+)', metrics(app))
+    return float(m[1]) if m else 0.0
+
+
+def send(app: Appliance, key: str, body: dict[str, Any], version: str) -> socket.socket:
+    data = json.dumps(body).encode()
+    sock = socket.create_connection(("127.0.0.1", int(app.config["gateway"]["port"])), 20)
+    sock.sendall(
+        f"POST {CHAT} HTTP/{version}\r\nHost: x\r\nAuthorization: Bearer {key}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n".encode()
+        + data
+    )
+    return sock
+
+
+def stat(app: Appliance, name: str) -> Any:
+    stats = app.engine_stats(0)
+    return None if stats is None else stats[name]
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_client_gone_before_its_answer_is_counted(tmp_path: Path, path: str) -> None:
+    """The engine took the request and was aborted when the client left: the key is
+    counted the prompt's upper bound (never below the engine's count), and a whole answer
+    the max_tokens it was allowed. Before, none of the three moved the counts."""
+    stream, version = PATHS[path]
+    cfg = fake_engine_config(tmp_path, 1, health={"interval_s": 600, "probe_timeout_s": 5})
+    with run_appliance(tmp_path, cfg) as app:
+        app.wait_all_ready()
+        app.engine_control(0, first_token_delay_ms=60_000)  # prefill never ends
+        key, model, kid = admin_key(tmp_path), served_model(app), key_id(tmp_path)
+        body = {
+            **chat(model, stream=stream, max_tokens=40),
+            "messages": [{"role": "user", "content": DENSE}],
+        }
+        sock = send(app, key, body, version)
+        app.wait_for(lambda: stat(app, "running") == 1, 20, "the engine working on it")
+        sock.close()
+        app.wait_for(lambda: stat(app, "aborts") == 1, 20, "the engine aborting it")
+        app.wait_for(lambda: tokens_of(app, kid, "prompt") > 0, 20, "the request counted")
+        assert tokens_of(app, kid, "prompt") >= DENSE_PROMPT
+        assert tokens_of(app, kid, "completion") == (0 if stream else 40)
+
+
+@pytest.mark.parametrize("version", ["1.1", "1.0"])
+def test_a_stream_cut_before_its_usage_event_is_charged_at_least_what_the_engine_did(
+    running: tuple[Appliance, str, str], version: str
+) -> None:
+    """Before, the prompt was the admission estimate: about half of this one."""
+    app, key, model = running
+    app.engine_control(0, break_before_usage=True)
+    body = {**chat(model, stream=True), "messages": [{"role": "user", "content": DENSE}]}
+    status, through = raw_post(app, key, body, version)
+    assert status == 200 and b" tok4" in through and b"engine_error" in through
+    kid = key_id(app.log_path.parent)
+    app.wait_for(lambda: tokens_of(app, kid, "prompt") > 0, 10, "the stream counted")
+    assert tokens_of(app, kid, "prompt") >= DENSE_PROMPT
+    assert tokens_of(app, kid, "completion") == 5  # the 5 token events relayed
+
+
+@pytest.mark.parametrize("version", ["1.1", "1.0"])
+def test_an_engine_writing_json_with_spaces_is_counted_exactly_and_stripped(
+    running: tuple[Appliance, str, str], version: str
+) -> None:
+    """Another OpenAI-compatible server as engine.command: its usage event must not reach
+    a client that did not ask, and its own counts are the ones kept."""
+    app, key, model = running
+    app.engine_control(0, json_spaces=True)
+    body = chat(model, stream=True)
+    status, through = raw_post(app, key, body, version)
+    assert status == 200
+    direct = engine_stream(app, body)
+    assert b'"finish_reason": "length"' in direct and b'"usage"' not in direct
+    assert b'"usage"' not in through
+    assert same_answer(through) == same_answer(direct)
+    kid = key_id(app.log_path.parent)
+    app.wait_for(lambda: tokens_of(app, kid, "completion") > 0, 10, "the stream counted")
+    assert tokens_of(app, kid, "prompt") == 2 + 4 + 2  # "hi there", as the engine said
+    assert tokens_of(app, kid, "completion") == 5

@@ -244,3 +244,53 @@ def test_include_usage_must_be_a_boolean(value: Any) -> None:
     with pytest.raises(GatewayError) as exc:
         parse("chat", chat(stream=True, max_tokens=5, stream_options={"include_usage": value}))
     assert exc.value.status == 400 and exc.value.param == "stream_options"
+
+
+# ---- the upper bound charged when the engine's count never comes (issue 20, item 3) ----
+def bound(route: str, body: dict[str, Any]) -> tuple[int, int]:
+    """(prompt bound, completion bound) of a request as the relay would plan it."""
+    plan = parse(route, body).usage
+    assert plan is not None
+    return plan.prompt_bound, plan.completion_bound
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["a " * 300, "1 2 3 4 5 6 7 8 9 0 " * 30, "日本語のテキスト" * 20, "e\u0301" * 100, "x"],
+    ids=["dense words", "digits", "CJK", "combining", "one char"],
+)
+def test_the_prompt_bound_is_at_least_one_token_per_utf8_byte(text: str) -> None:
+    """Byte-level BPE never makes more tokens than bytes: that, plus the template's
+    markers and the role, is what a cut-off request is charged; the estimate that
+    admission uses (4 characters a token) is not (it was: ~1 token per 4 chars)."""
+    chat_bound, _ = bound("chat", {"model": "m", "messages": [{"role": "user", "content": text}]})
+    assert chat_bound >= len(text.encode()) + TOKENS_PER_MESSAGE + len("user")
+    assert chat_bound > text_tokens(text) + TOKENS_PER_MESSAGE  # above the admission estimate
+    completion_bound, _ = bound("completions", completion([text, text]))
+    assert completion_bound >= 2 * len(text.encode())
+
+
+def test_the_prompt_bound_never_passes_the_context() -> None:
+    long = {"model": "m", "messages": [{"role": "user", "content": "a " * 3000}]}
+    assert bound("chat", long)[0] == MML
+    assert bound("completions", completion(["a " * 3000] * 2))[0] == 2 * MML  # per prompt
+
+
+def test_what_the_gateway_cannot_bound_counts_the_context() -> None:
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    media = [{"role": "user", "content": [{"type": "text", "text": "hi"}, image]}]
+    assert bound("chat", {"model": "m", "messages": media})[0] == MML
+    assert bound("chat", chat(chat_template="{{ messages }}"))[0] == MML
+
+
+def test_token_ids_are_their_own_count_and_tools_count_as_rendered() -> None:
+    assert bound("completions", completion([1, 2, 3]))[0] == 3
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    plain, with_tools = bound("chat", chat())[0], bound("chat", chat(tools=tools))[0]
+    assert with_tools - plain >= len(json.dumps(tools, indent=4).encode())
+
+
+def test_the_completion_bound_is_what_admission_charged_for() -> None:
+    assert bound("chat", chat(max_tokens=50, n=3))[1] == 150
+    assert bound("completions", completion(["a", "b"], max_tokens=7, best_of=2))[1] == 28
+    assert bound("embeddings", {"model": "m", "input": "x"})[1] == 0

@@ -66,6 +66,7 @@ class FakeGateway:
         self.admission = _Admission()
         self.ratelimiter = SimpleNamespace(check=lambda *_: None)
         self.metrics = mock.MagicMock()  # counted elsewhere; not what is tested here
+        self.usage = mock.MagicMock()  # likewise (test_usage_store, test_key_usage)
         self.upstreams = UpstreamPool()
         self._session = session
         self._sessions: list[aiohttp.ClientSession] = []

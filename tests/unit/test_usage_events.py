@@ -260,3 +260,75 @@ def test_with_n_2_only_finishing_events_wait_and_the_other_choice_streams_on() -
         ]
     )
     assert tap.usage == Usage(11, 3)
+
+
+# An OpenAI-compatible engine that writes JSON with spaces (json.dumps' default), given
+# as engine.command (issue 20, item 3c): exact counts, and its usage event taken out.
+def spaced(obj: dict[str, Any]) -> bytes:
+    return f"data: {json.dumps(obj)}\n\n".encode()
+
+
+SPACED_HEAD = {"id": "c-1", "object": "chat.completion.chunk", "created": 7, "model": "m"}
+
+
+def spaced_token(text: str, finish: str | None = None, fp: bool = False) -> bytes:
+    choice = {"index": 0, "delta": {"content": text}, "finish_reason": finish}
+    stamp = {"system_fingerprint": FP} if fp else {}
+    return spaced({**SPACED_HEAD, "choices": [choice], **stamp})
+
+
+SPACED_USAGE = spaced(
+    {
+        **SPACED_HEAD,
+        "choices": [],
+        "usage": {"prompt_tokens": 11, "completion_tokens": 3, "total_tokens": 14},
+        "system_fingerprint": FP,
+    }
+)
+SPACED_PLAIN = [spaced_token("a"), spaced_token(TRICKY), spaced_token("c", "stop", fp=True), DONE]
+SPACED_WITH_USAGE = [spaced_token("a"), spaced_token(TRICKY), spaced_token("c", "stop")]
+SPACED_WITH_USAGE += [SPACED_USAGE, DONE]
+
+
+@pytest.mark.parametrize("per_read", [1, 2, 5])
+def test_an_engine_writing_spaces_gets_exact_counts_and_its_usage_taken_out(
+    per_read: int,
+) -> None:
+    tap = StreamTap(strip=True)
+    sent = through_splice(tap, SPACED_WITH_USAGE, per_read)
+    assert body_of(sent) == b"".join(SPACED_PLAIN)  # fingerprint back, as json.dumps puts it
+    assert tap.usage == Usage(11, 3)
+
+
+@pytest.mark.parametrize("cut", [1, 13, 400])
+def test_an_engine_writing_spaces_http10_path(cut: int) -> None:
+    raw = b"".join(SPACED_WITH_USAGE)
+    tap = StreamTap(strip=True)
+    pending = bytearray()
+    out = [tap.sse(raw[i : i + cut], pending) for i in range(0, len(raw), cut)]
+    out.append(tap.flush_sse(pending))
+    assert b"".join(out) == b"".join(SPACED_PLAIN)
+    assert tap.usage == Usage(11, 3)
+
+
+def test_an_engine_writing_spaces_to_a_client_that_asked() -> None:
+    tap = StreamTap(strip=False)
+    sent = through_splice(tap, SPACED_WITH_USAGE, 1)
+    assert sent == wire(SPACED_WITH_USAGE)
+    assert tap.usage == Usage(11, 3)
+
+
+def test_vllms_token_events_stay_on_the_fast_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compact shape keeps the byte marks: after the first read, a token read passes
+    as it came (no copy), and no event is parsed as JSON."""
+
+    def no_json(payload: bytes) -> None:
+        raise AssertionError(f"parsed {payload!r}")
+
+    monkeypatch.setattr(usage_events, "_event_json", no_json)
+    tap = StreamTap(strip=True, preamble=1)
+    first = wire([ROLE])
+    assert tap.wire(first, 1) is first
+    piece = wire([token("a")])
+    assert tap.wire(piece, 1) is piece
+    assert tap.mark == usage_events.FINISH_MARK and not tap.by_json

@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry
 from appliance.gateway.answers import EngineCall
 from appliance.gateway.ratelimit import RateLimiter
 from appliance.gateway.usage import HOUR_S, KEEP_HOURS, UsageBook, read_usage, usage_path
-from appliance.gateway.usage_events import Usage
+from appliance.gateway.usage_events import Metering, StreamTap, Usage, UsagePlan, plan_usage
 
 T0 = 1_700_000_000.0  # a fixed clock
 
@@ -108,20 +108,100 @@ def test_tpm_debits_the_real_count_not_the_estimate() -> None:
     assert rl.check("k", None, 1000, 1, now=0.0) is not None
 
 
+def try_of(client: dict[str, object], plan: UsagePlan | None, meter: Metering) -> EngineCall:
+    parsed = SimpleNamespace(tpm_charge=600, usage=plan)
+    return cast(EngineCall, SimpleNamespace(client=client, parsed=parsed, meter=meter))
+
+
+def stream_meter(usage: Usage | None, events: int = 0) -> Metering:
+    tap = StreamTap(strip=True)
+    tap.usage, tap.events = usage, events
+    return Metering(status=200, tap=tap)
+
+
 def test_a_request_tried_on_two_engines_gets_its_charge_back_once(tmp_path: Path) -> None:
     """The first engine died after producing a little (the client saw nothing, the
     request went to another engine): both engines' tokens are debited, the admission
     charge is returned once."""
     rl = RateLimiter()
     b = UsageBook(usage_path(tmp_path / "keys.json"), CollectorRegistry(), rl)
-    key = SimpleNamespace(id="k", tpm=1000)
-    client: dict[str, object] = {"key": key}
-    parsed = SimpleNamespace(tpm_charge=600, usage=None)
-    call = cast(EngineCall, SimpleNamespace(client=client, parsed=parsed))
+    client: dict[str, object] = {"key": SimpleNamespace(id="k", tpm=1000)}
     assert rl.check("k", None, 1000, 600) is None  # charged 600: 400 left
-    b.finish(call, Usage(10, 1))  # the first engine: 11 used before it died
-    b.finish(call, Usage(10, 30))  # the retry: 40 used
+    b.finish(try_of(client, None, stream_meter(Usage(10, 1))))  # the first engine: 11 used
+    b.finish(try_of(client, None, stream_meter(Usage(10, 30))))  # the retry: 40 used
     assert b.counts.since(None) == {"k": (20, 31)}
     # 1000 - 600 + 600 - 11 - 40 = 949 left (and a few ms of refill); twice back: 1000
     assert rl.check("k", None, 1000, 990) is not None
+    assert rl.check("k", None, 1000, 940) is None
+
+
+DENSE = "a " * 3000  # a token a word for many tokenizers: 1 per 2 characters, not per 4
+
+
+def chat_plan(stream: bool, n_bound: int = 0, **fields: object) -> UsagePlan:
+    body = {"model": "m", "messages": [{"role": "user", "content": DENSE}], **fields}
+    return plan_usage("chat", stream, body, 4096, n_bound)
+
+
+def test_a_whole_answer_cut_off_is_charged_its_bounds(tmp_path: Path) -> None:
+    """A client that left before a non-streamed answer (issue 20, item 3a): the key is
+    counted, and the tpm debited, the prompt's upper bound and everything it allowed."""
+    rl = RateLimiter()
+    b = UsageBook(usage_path(tmp_path / "keys.json"), CollectorRegistry(), rl)
+    client: dict[str, object] = {"key": SimpleNamespace(id="k", tpm=100_000)}
+    plan = chat_plan(False, n_bound=2 * 50)  # max_tokens 50, n 2
+    b.finish(try_of(client, plan, Metering()))  # no head came: cancelled while waiting
+    prompt, completion = b.counts.since(None)["k"]
+    assert prompt >= 3000 + 2  # at least a token a word, the role's tokens
+    assert prompt <= 4096  # never above the context
+    assert completion == 100
+
+
+def test_a_stream_cut_before_its_usage_is_charged_the_bound_and_the_events(
+    tmp_path: Path,
+) -> None:
+    """Issue 20, item 3b: not the 1-per-4-characters estimate (~1,508 here)."""
+    b = book(tmp_path)
+    client: dict[str, object] = {"key": SimpleNamespace(id="k", tpm=None)}
+    b.finish(try_of(client, chat_plan(True, n_bound=50), stream_meter(None, events=8)))
+    assert b.counts.since(None) == {"k": (chat_plan(True).prompt_bound, 8)}
+    # "a " is 2 bytes, each of which may be a token: 6,000 and more, capped by the context
+    assert chat_plan(True).prompt_bound == 4096
+
+
+@pytest.mark.parametrize(
+    "meter",
+    [Metering(failed=True), Metering(status=400), Metering(status=200, answer=Usage(0, 0))],
+    ids=["failed before a byte", "engine error", "engine said zero"],
+)
+def test_a_try_that_did_nothing_counts_nothing_and_gives_the_charge_back(
+    tmp_path: Path, meter: Metering
+) -> None:
+    rl = RateLimiter()
+    b = UsageBook(usage_path(tmp_path / "keys.json"), CollectorRegistry(), rl)
+    client: dict[str, object] = {"key": SimpleNamespace(id="k", tpm=1000)}
+    assert rl.check("k", None, 1000, 600) is None
+    b.finish(try_of(client, chat_plan(False, 50), meter))
+    assert b.counts.since(None) == {}
+    assert rl.check("k", None, 1000, 990) is None  # the 600 went back
+
+
+def test_a_request_without_a_key_is_not_counted(tmp_path: Path) -> None:
+    b = book(tmp_path)
+    b.finish(try_of({}, chat_plan(False, 50), Metering()))
+    assert b.counts.since(None) == {}
+
+
+def test_a_retry_after_a_failure_before_any_byte_is_charged_once(tmp_path: Path) -> None:
+    """The first engine failed before the client saw a byte (counted nothing), the second
+    answered: the key pays the second's count once, and the admission charge goes back
+    once."""
+    rl = RateLimiter()
+    b = UsageBook(usage_path(tmp_path / "keys.json"), CollectorRegistry(), rl)
+    client: dict[str, object] = {"key": SimpleNamespace(id="k", tpm=1000)}
+    assert rl.check("k", None, 1000, 600) is None  # charged 600: 400 left
+    b.finish(try_of(client, chat_plan(False, 50), Metering(failed=True)))
+    b.finish(try_of(client, chat_plan(False, 50), Metering(status=200, answer=Usage(30, 20))))
+    assert b.counts.since(None) == {"k": (30, 20)}
+    assert rl.check("k", None, 1000, 960) is not None  # 950 left, not 1000 nor 350
     assert rl.check("k", None, 1000, 940) is None
