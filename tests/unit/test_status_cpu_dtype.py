@@ -56,6 +56,7 @@ def status_with(
     gw = SimpleNamespace(
         appliance=SimpleNamespace(status=lambda: status),
         admission=SimpleNamespace(queue_depth=0),
+        state_files=lambda: (),
     )
     return status_document(cast(Any, gw))
 
