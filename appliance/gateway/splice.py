@@ -30,6 +30,7 @@ from typing import cast
 from appliance.gateway.http1 import (
     MAX_HEAD_BYTES,
     AnswerTooLarge,
+    ChunkTooLarge,
     Head,
     UpstreamError,
     count_whole_chunks,
@@ -269,11 +270,7 @@ class UpstreamConnection(asyncio.Protocol):
         elif self._consumer is _Consumer.SPLICE:
             self._splice_whole_chunks()
         elif self._framing is _Framing.CHUNKED:
-            end, payloads, terminal = scan_chunks(self._buf)
-            del self._buf[:end]
-            self._keep(payloads)
-            if terminal >= 0:
-                self._finish()
+            self._collect_chunks()
         elif self._framing is _Framing.LENGTH:
             take = min(self._remaining, len(self._buf))
             self._keep([bytes(self._buf[:take])])
@@ -331,6 +328,21 @@ class UpstreamConnection(asyncio.Protocol):
             wire = bytes(self._buf[:end])
             del self._buf[:end]
             self._emit(wire if self.tap is None else self.tap.wire(wire))
+
+    def _collect_chunks(self) -> None:
+        """The whole chunks in the buffer are kept; a chunk larger than the room left
+        under the body's limit is refused at its size line, before any of it is held."""
+        try:
+            end, payloads, terminal = scan_chunks(
+                self._buf, self._body_limit - self._collected_bytes
+            )
+        except ChunkTooLarge as exc:
+            self._collected_bytes += exc.size  # read_body says why: AnswerTooLarge
+            raise UpstreamError("the engine's answer is too large") from None
+        del self._buf[:end]
+        self._keep(payloads)
+        if terminal >= 0:
+            self._finish()
 
     def _keep(self, pieces: list[bytes]) -> None:
         for piece in pieces:
