@@ -16,6 +16,12 @@ relay (proxy.py) uses it for streamed requests from HTTP/1.1 clients; everything
 goes through aiohttp's client. The HTTP/1.1 it reads and writes (heads, chunks, the
 request) is in http1.py.
 
+What the engine is trusted with: nothing about framing. A chunk's size must be strict
+hex, and a chunk over ``MAX_CHUNK_BYTES`` (http1.py) fails the stream at its size line,
+so no more than that is held for a chunk that is not whole yet; a byte beyond an
+answer's end, or while no answer is due, closes the connection instead of waiting for
+the next request on it (docs/security.md).
+
 Flow control: when a client does not read, its transport's buffer grows; above
 ``HIGH_WATER`` the engine connection stops reading (so the engine's socket fills and
 its own flow control holds tokens back) until the buffer is below ``LOW_WATER``.
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import logging
 from typing import cast
 
 from appliance.gateway.http1 import (
@@ -38,6 +45,8 @@ from appliance.gateway.http1 import (
     scan_chunks,
 )
 from appliance.gateway.usage_events import StreamTap
+
+log = logging.getLogger(__name__)
 
 HIGH_WATER = 256 * 1024
 LOW_WATER = 64 * 1024
@@ -113,6 +122,9 @@ class UpstreamConnection(asyncio.Protocol):
             if chunks:
                 self._emit(data if self.tap is None else self.tap.wire(data, chunks))
                 return
+        if self._phase is _Phase.DONE or self._phase is _Phase.IDLE:
+            self._stray(data)
+            return
         self._buf += data
         self._advance()
 
@@ -190,13 +202,16 @@ class UpstreamConnection(asyncio.Protocol):
 
     @property
     def finished(self) -> bool:
-        """The answer was read whole and the connection may serve another request."""
+        """The answer was read whole and the connection may serve another request: it
+        is open, and nothing came beyond the answer (see _stray and _finish)."""
         return (
             self._phase is _Phase.DONE
             and self.error is None
             and self.reusable
             and not self._closed
             and not self._buf
+            and self.transport is not None
+            and not self.transport.is_closing()
         )
 
     # ---- internals -------------------------------------------------------------------
@@ -230,16 +245,43 @@ class UpstreamConnection(asyncio.Protocol):
         if self._phase is _Phase.DONE:
             return
         self.error = error
-        self._phase = _Phase.DONE
         self.reusable = False
         if self._head is not None and not self._head.done():
             self._head.set_exception(error)
             self._head.exception()  # retrieved: nobody may be waiting any more
-        self._notify()
+        self._done()
 
     def _finish(self) -> None:
+        if self._buf:
+            # Bytes beyond the answer's end, in the read that ended it: the start of an
+            # answer nobody asked for, which the next request on this connection would
+            # read as its own. Not reused (release() closes it).
+            self.reusable = False
+            self._buf.clear()
+        self._done()
+
+    def _done(self) -> None:
         self._phase = _Phase.DONE
+        # Nothing more goes to the client: a later byte takes data_received's careful
+        # path (a stray), never the splice's fast one into this client's socket.
+        self._consumer = _Consumer.PENDING
+        self._sink = None
         self._notify()
+
+    def _stray(self, data: bytes) -> None:
+        """Bytes while no answer is due (IDLE, DONE: in the pool, say). Kept, or read
+        after the next request went out, they would be another user's answer: dropped,
+        and the connection closed, never reused."""
+        if self.error is None and self.transport is not None and not self.transport.is_closing():
+            log.warning(
+                "the engine sent %d bytes while no answer was due; its connection is "
+                "closed, not reused",
+                len(data),
+            )
+        self.reusable = False
+        self._buf.clear()
+        if self.transport is not None:
+            self.transport.close()
 
     def _emit(self, wire: bytes) -> None:
         sink = self._sink

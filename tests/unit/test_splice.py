@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
@@ -374,6 +374,17 @@ async def test_a_connection_idle_too_long_is_not_reused(monkeypatch: pytest.Monk
 
 
 # ---- the engine's framing is not trusted (security issue #20, item 5) --------------------
+PLANTED = OK_HEAD + chunk(b"data: PLANTED\n\n") + b"0\r\n\r\n"  # an answer nobody asked for
+
+
+async def until(cond: Callable[[], bool], what: str, wait_s: float = 2.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait_s
+    while not cond():
+        assert loop.time() < deadline, f"never: {what}"
+        await asyncio.sleep(0.01)
+
+
 @pytest.mark.parametrize("size", [b"+5", b"0x5", b"1_0", b" 5", b"5 ", b"-5", b"1" * 17, b""])
 def test_a_chunk_size_is_strict_hex(size: bytes) -> None:
     """int(x, 16) took all of these but the last three; the first four reached clients."""
@@ -457,3 +468,79 @@ async def test_a_non_streamed_chunk_over_the_answer_limit_is_too_large_at_its_si
         await conn.send(req(eng.port))
         with pytest.raises(AnswerTooLarge):
             await asyncio.wait_for(conn.read_body(limit=1000), 2)
+
+
+async def test_bytes_after_a_spliced_answer_never_reach_its_client() -> None:
+    """Whole chunks after the engine's terminal chunk used to go straight to the client's
+    socket (the splice was still on): events after its stream's end."""
+    events = [chunk(b"data: 1\n\n"), chunk(b"data: 2\n\n")]
+    script: list[bytes | None] = [OK_HEAD, *events, b"0\r\n\r\n", chunk(b"data: PLANTED\n\n")]
+    async with engine([script]) as eng:
+        conn = await streaming(eng)
+        async with client_socket() as (transport, far):
+            conn.splice_to(transport)
+            await conn.wait_spliced()
+            await asyncio.wait_for(eng.closed_early.wait(), 2)  # the stray closed it
+            assert await read_all(far, wait_s=0.3) == b"".join(events)
+        assert not conn.finished
+
+
+async def test_a_connection_the_engine_writes_to_while_idle_is_not_reused() -> None:
+    """An engine that answers twice: the second answer lands on the pooled connection.
+    Kept there, the next user's request would have read it as its own."""
+    first: list[bytes | None] = [OK_HEAD, chunk(b"data: 1\n\n"), b"0\r\n\r\n", PLANTED]
+    own: list[bytes | None] = [OK_HEAD, chunk(b"data: own\n\n"), b"0\r\n\r\n"]
+    async with engine([first, own]) as eng:
+        pool = UpstreamPool()
+        address = EngineAddress(port=eng.port)
+        conn = await pool.acquire(address)
+        await conn.send(req(eng.port))
+        assert await conn.read_body() == b"data: 1\n\n"
+        assert conn.finished
+        pool.release(address, conn)  # idle in the pool when the planted answer comes
+        await asyncio.wait_for(eng.closed_early.wait(), 2)  # ...which closes it
+        again = await pool.acquire(address)
+        assert again is not conn
+        await again.send(req(eng.port))
+        assert await again.read_body() == b"data: own\n\n"
+        assert eng.connections == 2
+        pool.close()
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        [OK_HEAD + chunk(b"data: 1\n\n") + b"0\r\n\r\n" + PLANTED],
+        [b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok" + PLANTED],
+    ],
+    ids=["chunked", "content-length"],
+)
+async def test_bytes_beyond_an_answer_in_the_read_that_ends_it_make_it_unusable(
+    answer: list[bytes | None],
+) -> None:
+    async with engine([answer]) as eng:
+        pool = UpstreamPool()
+        address = EngineAddress(port=eng.port)
+        conn = await pool.acquire(address)
+        await conn.send(req(eng.port))
+        await conn.read_body()
+        assert not conn.finished
+        pool.release(address, conn)
+        assert (await pool.acquire(address)) is not conn
+        pool.close()
+
+
+async def test_bytes_before_any_request_make_a_connection_unusable() -> None:
+    server = await asyncio.start_server(
+        lambda _r, w: w.write(PLANTED),
+        "127.0.0.1",
+        0,
+    )
+    port = server.sockets[0].getsockname()[1]
+    try:
+        conn = await UpstreamPool().acquire(EngineAddress(port=port))
+        assert conn.transport is not None
+        transport = conn.transport
+        await until(transport.is_closing, "the connection is closed")
+    finally:
+        server.close()
