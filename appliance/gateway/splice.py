@@ -145,6 +145,8 @@ class UpstreamConnection(asyncio.Protocol):
         self.reusable = False
         self._phase = _Phase.HEAD
         self._head = self._loop.create_future()
+        if self._closed or self.transport.is_closing():  # no answer would ever come
+            self._fail(UpstreamError("the engine closed the connection"))
         self.transport.write(request)
         return self._head
 

@@ -542,5 +542,7 @@ async def test_bytes_before_any_request_make_a_connection_unusable() -> None:
         assert conn.transport is not None
         transport = conn.transport
         await until(transport.is_closing, "the connection is closed")
+        with pytest.raises(UpstreamError, match="closed"):  # at once, never a hang
+            await asyncio.wait_for(conn.send(req(port)), 2)
     finally:
         server.close()
