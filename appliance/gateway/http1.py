@@ -8,10 +8,31 @@ framing raises :class:`UpstreamError`, which the relay treats as a failed engine
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 MAX_HEAD_BYTES = 64 * 1024
 MAX_CHUNK_LINE = 1024
+# The most one chunk of a stream may hold. vLLM sends one SSE event per chunk, and a
+# token event is a few hundred bytes (a few KiB with logprobs); a chunk is held whole
+# until its end is here (only whole chunks reach the client), so without a cap an engine
+# could make the gateway hold any amount: one 200 MiB chunk raised the daemon's RSS by
+# 205 MB. Beyond it the stream fails (docs/security.md).
+MAX_CHUNK_BYTES = 4 * 1024 * 1024
+
+# A chunk's size, strictly (RFC 9112 allows leading zeros; 16 digits hold any size a
+# 64-bit field can): int(x, 16) alone also took "+5", "0x5", "1_0" and " 5", which then
+# reached clients, who would read the framing otherwise.
+_SIZE_DIGITS = 16
+_SIZE = re.compile(rb"[0-9A-Fa-f]{1,%d}" % _SIZE_DIGITS)
+# Size fields the fast path has read, with their sizes: a stream's chunk sizes repeat, so
+# a dict look-up replaces the parse (and the strict check) on almost every read. Only
+# strict fields go in, at most _SIZES_KEPT of them (a few hundred KB at most).
+_SIZES: dict[bytes, int] = {}
+_SIZES_KEPT = 4096
+# The size line of the careful path: the size, then optionally extensions, which are
+# passed on to the client as they are, so only printable ASCII (no stray CR or LF).
+_SIZE_LINE = re.compile(rb"([0-9A-Fa-f]{1,%d})(?:[ \t]*;[\t\x20-\x7e]*)?" % _SIZE_DIGITS)
 
 
 class UpstreamError(Exception):
@@ -25,6 +46,15 @@ class UpstreamError(Exception):
     def __init__(self, message: str, *, timed_out: bool = False) -> None:
         super().__init__(message)
         self.timed_out = timed_out
+
+
+class ChunkTooLarge(UpstreamError):
+    """A chunk larger than the reader allows, known from its size line (so none of it
+    is held): ``size`` is what the engine announced."""
+
+    def __init__(self, size: int, limit: int) -> None:
+        super().__init__(f"the engine sent a chunk of {size} bytes, more than {limit}")
+        self.size = size
 
 
 class AnswerTooLarge(UpstreamError):
@@ -72,19 +102,21 @@ def is_whole_chunks(data: bytes) -> bool:
 
 def count_whole_chunks(data: bytes) -> int:
     """How many whole, non-terminal chunks ``data`` is exactly, else 0: the common case of
-    one read holding one token event, checked without copying anything."""
+    one read holding one token event, checked without copying anything. Anything unusual
+    (an extension, a bad size, a chunk over MAX_CHUNK_BYTES) is 0: the careful path
+    (:func:`scan_chunks`) decides."""
     n = len(data)
     pos = 0
     count = 0
     while pos < n:
-        eol = data.find(b"\r\n", pos, pos + MAX_CHUNK_LINE)
+        eol = data.find(b"\r\n", pos, pos + _SIZE_DIGITS + 2)
         if eol <= pos:
             return 0
-        try:
-            size = int(data[pos:eol], 16)  # a chunk extension (rare) takes the slow path
-        except ValueError:
-            return 0
-        if size <= 0:
+        field = data[pos:eol]
+        size = _SIZES.get(field)  # one dict look-up: a stream's sizes repeat
+        if size is None:
+            size = _strict_size(field)
+        if size <= 0 or size > MAX_CHUNK_BYTES:
             return 0
         pos = eol + 2 + size + 2
         if pos > n or data[pos - 2 : pos] != b"\r\n":
@@ -93,13 +125,27 @@ def count_whole_chunks(data: bytes) -> int:
     return count
 
 
-def scan_chunks(buf: bytes | bytearray) -> tuple[int, list[bytes], int]:
+def _strict_size(field: bytes) -> int:
+    """The size ``field`` says when it is strictly hex digits, else -1; remembered (up to
+    _SIZES_KEPT of them) so the fast path parses a size it has seen before not at all."""
+    if _SIZE.fullmatch(field) is None:
+        return -1
+    size = int(field, 16)
+    if len(_SIZES) < _SIZES_KEPT:
+        _SIZES[field] = size
+    return size
+
+
+def scan_chunks(
+    buf: bytes | bytearray, max_chunk: int = MAX_CHUNK_BYTES
+) -> tuple[int, list[bytes], int]:
     """The whole chunks at the start of a chunked body.
 
     Returns ``(end, payloads, terminal)``: ``buf[:end]`` is whole chunks in wire form,
     ``payloads`` their data; ``terminal`` is where the terminal (size 0) chunk starts
     when it, with its trailers, ends the body at ``end``, else -1. Raises UpstreamError
-    on bad framing.
+    on bad framing, and ChunkTooLarge at the size line of a chunk over ``max_chunk``
+    bytes (before any of it is held); trailers over MAX_HEAD_BYTES are bad framing.
     """
     pos = 0
     payloads: list[bytes] = []
@@ -110,20 +156,14 @@ def scan_chunks(buf: bytes | bytearray) -> tuple[int, list[bytes], int]:
             if n - pos >= MAX_CHUNK_LINE:
                 raise UpstreamError("chunk size line too long")
             break
-        size_field = bytes(buf[pos:eol]).split(b";", 1)[0].strip()
-        try:
-            size = int(size_field, 16)
-        except ValueError:
-            raise UpstreamError(f"bad chunk size {size_field[:20]!r}") from None
-        if size < 0:
-            raise UpstreamError("bad chunk size (negative)")
+        line = _SIZE_LINE.fullmatch(buf, pos, eol)
+        if line is None:
+            raise UpstreamError(f"bad chunk size line {bytes(buf[pos : min(eol, pos + 20)])!r}")
+        size = int(line[1], 16)
+        if size > max_chunk:
+            raise ChunkTooLarge(size, max_chunk)
         if size == 0:
-            if buf[eol + 2 : eol + 4] == b"\r\n":  # no trailers: the usual end
-                return eol + 4, payloads, pos
-            end = buf.find(b"\r\n\r\n", eol)
-            if end < 0:
-                break
-            return end + 4, payloads, pos
+            return _terminal(buf, pos, eol, payloads)
         data_end = eol + 2 + size
         if data_end + 2 > n:
             break
@@ -131,6 +171,21 @@ def scan_chunks(buf: bytes | bytearray) -> tuple[int, list[bytes], int]:
             raise UpstreamError("chunk data not followed by CRLF")
         payloads.append(bytes(buf[eol + 2 : data_end]))
         pos = data_end + 2
+    return pos, payloads, -1
+
+
+def _terminal(
+    buf: bytes | bytearray, pos: int, eol: int, payloads: list[bytes]
+) -> tuple[int, list[bytes], int]:
+    """scan_chunks' answer at a terminal chunk (at ``pos``, its size line ending at
+    ``eol``): the body's end once its trailers are whole, else the chunks before it."""
+    if buf[eol + 2 : eol + 4] == b"\r\n":  # no trailers: the usual end
+        return eol + 4, payloads, pos
+    end = buf.find(b"\r\n\r\n", eol)
+    if end >= 0:
+        return end + 4, payloads, pos
+    if len(buf) - eol > MAX_HEAD_BYTES:  # held until whole: bounded like a head
+        raise UpstreamError("the engine's chunk trailers are too large")
     return pos, payloads, -1
 
 

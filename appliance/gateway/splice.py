@@ -16,6 +16,12 @@ relay (proxy.py) uses it for streamed requests from HTTP/1.1 clients; everything
 goes through aiohttp's client. The HTTP/1.1 it reads and writes (heads, chunks, the
 request) is in http1.py.
 
+What the engine is trusted with: nothing about framing. A chunk's size must be strict
+hex, and a chunk over ``MAX_CHUNK_BYTES`` (http1.py) fails the stream at its size line,
+so no more than that is held for a chunk that is not whole yet; a byte beyond an
+answer's end, or while no answer is due, closes the connection instead of waiting for
+the next request on it (docs/security.md).
+
 Flow control: when a client does not read, its transport's buffer grows; above
 ``HIGH_WATER`` the engine connection stops reading (so the engine's socket fills and
 its own flow control holds tokens back) until the buffer is below ``LOW_WATER``.
@@ -25,11 +31,13 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import logging
 from typing import cast
 
 from appliance.gateway.http1 import (
     MAX_HEAD_BYTES,
     AnswerTooLarge,
+    ChunkTooLarge,
     Head,
     UpstreamError,
     count_whole_chunks,
@@ -37,6 +45,8 @@ from appliance.gateway.http1 import (
     scan_chunks,
 )
 from appliance.gateway.usage_events import StreamTap
+
+log = logging.getLogger(__name__)
 
 HIGH_WATER = 256 * 1024
 LOW_WATER = 64 * 1024
@@ -112,6 +122,9 @@ class UpstreamConnection(asyncio.Protocol):
             if chunks:
                 self._emit(data if self.tap is None else self.tap.wire(data, chunks))
                 return
+        if self._phase is _Phase.DONE or self._phase is _Phase.IDLE:
+            self._stray(data)
+            return
         self._buf += data
         self._advance()
 
@@ -132,6 +145,8 @@ class UpstreamConnection(asyncio.Protocol):
         self.reusable = False
         self._phase = _Phase.HEAD
         self._head = self._loop.create_future()
+        if self._closed or self.transport.is_closing():  # no answer would ever come
+            self._fail(UpstreamError("the engine closed the connection"))
         self.transport.write(request)
         return self._head
 
@@ -189,13 +204,16 @@ class UpstreamConnection(asyncio.Protocol):
 
     @property
     def finished(self) -> bool:
-        """The answer was read whole and the connection may serve another request."""
+        """The answer was read whole and the connection may serve another request: it
+        is open, and nothing came beyond the answer (see _stray and _finish)."""
         return (
             self._phase is _Phase.DONE
             and self.error is None
             and self.reusable
             and not self._closed
             and not self._buf
+            and self.transport is not None
+            and not self.transport.is_closing()
         )
 
     # ---- internals -------------------------------------------------------------------
@@ -229,16 +247,43 @@ class UpstreamConnection(asyncio.Protocol):
         if self._phase is _Phase.DONE:
             return
         self.error = error
-        self._phase = _Phase.DONE
         self.reusable = False
         if self._head is not None and not self._head.done():
             self._head.set_exception(error)
             self._head.exception()  # retrieved: nobody may be waiting any more
-        self._notify()
+        self._done()
 
     def _finish(self) -> None:
+        if self._buf:
+            # Bytes beyond the answer's end, in the read that ended it: the start of an
+            # answer nobody asked for, which the next request on this connection would
+            # read as its own. Not reused (release() closes it).
+            self.reusable = False
+            self._buf.clear()
+        self._done()
+
+    def _done(self) -> None:
         self._phase = _Phase.DONE
+        # Nothing more goes to the client: a later byte takes data_received's careful
+        # path (a stray), never the splice's fast one into this client's socket.
+        self._consumer = _Consumer.PENDING
+        self._sink = None
         self._notify()
+
+    def _stray(self, data: bytes) -> None:
+        """Bytes while no answer is due (IDLE, DONE: in the pool, say). Kept, or read
+        after the next request went out, they would be another user's answer: dropped,
+        and the connection closed, never reused."""
+        if self.error is None and self.transport is not None and not self.transport.is_closing():
+            log.warning(
+                "the engine sent %d bytes while no answer was due; its connection is "
+                "closed, not reused",
+                len(data),
+            )
+        self.reusable = False
+        self._buf.clear()
+        if self.transport is not None:
+            self.transport.close()
 
     def _emit(self, wire: bytes) -> None:
         sink = self._sink
@@ -269,11 +314,7 @@ class UpstreamConnection(asyncio.Protocol):
         elif self._consumer is _Consumer.SPLICE:
             self._splice_whole_chunks()
         elif self._framing is _Framing.CHUNKED:
-            end, payloads, terminal = scan_chunks(self._buf)
-            del self._buf[:end]
-            self._keep(payloads)
-            if terminal >= 0:
-                self._finish()
+            self._collect_chunks()
         elif self._framing is _Framing.LENGTH:
             take = min(self._remaining, len(self._buf))
             self._keep([bytes(self._buf[:take])])
@@ -331,6 +372,21 @@ class UpstreamConnection(asyncio.Protocol):
             wire = bytes(self._buf[:end])
             del self._buf[:end]
             self._emit(wire if self.tap is None else self.tap.wire(wire))
+
+    def _collect_chunks(self) -> None:
+        """The whole chunks in the buffer are kept; a chunk larger than the room left
+        under the body's limit is refused at its size line, before any of it is held."""
+        try:
+            end, payloads, terminal = scan_chunks(
+                self._buf, self._body_limit - self._collected_bytes
+            )
+        except ChunkTooLarge as exc:
+            self._collected_bytes += exc.size  # read_body says why: AnswerTooLarge
+            raise UpstreamError("the engine's answer is too large") from None
+        del self._buf[:end]
+        self._keep(payloads)
+        if terminal >= 0:
+            self._finish()
 
     def _keep(self, pieces: list[bytes]) -> None:
         for piece in pieces:

@@ -2,7 +2,8 @@
 
 One idle list per engine address (socket or port), most recently used first; a
 connection goes back only when its answer was read whole (splice.py's
-``UpstreamConnection.finished``), and one idle too long is closed instead of reused.
+``UpstreamConnection.finished``), and one idle too long is closed instead of reused, as
+is one the engine wrote to while it was idle (it closes itself: splice.py's ``_stray``).
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ class UpstreamPool:
         while idle:
             conn = idle.pop()  # the most recently used first
             if conn.transport is None or conn.transport.is_closing():
+                continue
+            if not conn.finished:  # never one with bytes beyond its last answer
+                conn.transport.close()
                 continue
             if conn.idle_since < fresh_after:
                 # This one and all older ones are too close to the engine's own close.

@@ -35,6 +35,10 @@ a JSON object, loopback only, no auth; ``GET /fake/stats`` for counters):
                             as other OpenAI-compatible servers do, not vLLM's compact JSON
     break_before_usage      a stream's connection drops after its last token, before the
                             finishing and usage events
+
+Bad HTTP framing, per request (body field ``fake_framing``, see :class:`Misframing`):
+``{"stray_response": true}`` answers twice, ``{"huge_chunk": N, "at_token": T}`` sends
+one chunk of N bytes before token T of a stream.
 """
 
 from __future__ import annotations
@@ -232,6 +236,67 @@ class Histogram:
                 self.counts[i] += 1
 
 
+# --------------------------------------------------------------------------- misframing
+
+
+class Misframing:
+    """An engine that does not keep to HTTP/1.1's framing, for the gateway's splice relay
+    (tests/integration/test_engine_framing.py), asked for by a request's ``fake_framing``
+    object, which vLLM would ignore:
+
+    - ``"stray_response": true``: after the stream, a second, unasked-for answer
+      (``PLANTED``) on the same connection a moment later (while the gateway's connection
+      is idle), and again before its answer to each later request read there;
+    - ``"huge_chunk": N`` (``"at_token": T``, default 0): one chunk of N bytes before
+      token T (0: as the stream's first chunk).
+    """
+
+    PLANTED = b"".join(
+        [b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"]
+        + [b"Transfer-Encoding: chunked\r\n\r\n"]
+        + [
+            b"%x\r\n%s\r\n" % (len(event), event)
+            for event in (
+                b'data: {"choices":[{"index":0,"delta":{"content":"PLANTED"}}]}\n\n',
+                b"data: [DONE]\n\n",
+                b"",
+            )
+        ]
+    )
+    STRAY_AFTER_S = 0.2  # the gateway has read the answer whole and pooled the connection
+
+    def __init__(self) -> None:
+        self.replaying: set[Any] = set()  # transports that got a stray answer
+        self.strays = 0
+
+    @staticmethod
+    def ask(body: dict[str, Any]) -> dict[str, Any]:
+        asked = body.get("fake_framing")
+        return asked if isinstance(asked, dict) else {}
+
+    def before(self, request: web.Request) -> None:
+        """Before the answer: the stray one again, on a connection that had one."""
+        if request.transport is not None and request.transport in self.replaying:
+            request.transport.write(self.PLANTED)
+            self.strays += 1
+
+    async def before_token(self, body: dict[str, Any], resp: web.StreamResponse, t: int) -> None:
+        asked = self.ask(body)
+        if "huge_chunk" in asked and t == int(asked.get("at_token", 0)):
+            await resp.write(b"data: " + b"x" * int(asked["huge_chunk"]) + b"\n\n")
+
+    def after(self, body: dict[str, Any], request: web.Request) -> None:
+        transport = request.transport
+        if self.ask(body).get("stray_response") and transport is not None:
+            self.replaying.add(transport)
+            asyncio.get_running_loop().call_later(self.STRAY_AFTER_S, self._stray, transport)
+
+    def _stray(self, transport: Any) -> None:
+        if not transport.is_closing():
+            transport.write(self.PLANTED)
+            self.strays += 1
+
+
 # --------------------------------------------------------------------------- engine
 
 
@@ -262,6 +327,7 @@ class FakeEngine:
         self.fail_requests = bool(args.fail_requests)
         self.slots = asyncio.Semaphore(max(1, args.max_num_seqs))
         self.faults = dict.fromkeys(STREAM_FAULTS, False)
+        self.misframing = Misframing()
         self.reset_stats()
 
     def reset_stats(self) -> None:
@@ -551,6 +617,7 @@ class FakeEngine:
             "model": self.model,
             "served_model_name": self.model_name,
             "last_request": self.last_request,
+            "stray_responses": self.misframing.strays,
             "argv": redact_argv(sys.argv[1:]),
         }
 
@@ -726,6 +793,7 @@ class FakeEngine:
                 return {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish}
             return {"index": i, "text": text, "logprobs": None, "finish_reason": finish}
 
+        self.misframing.before(request)
         try:
             if stream:
                 resp = web.StreamResponse(
@@ -743,6 +811,8 @@ class FakeEngine:
             self.prompt_tokens += prompt_total
             for t in range(max_tokens):
                 await self.unhung.wait()
+                if resp is not None:
+                    await self.misframing.before_token(body, resp, t)
                 delay = self.token_delay_ms + (self.first_token_delay_ms if t == 0 else 0)
                 if delay > 0:
                     await asyncio.sleep(delay / 1000)
@@ -848,6 +918,7 @@ class FakeEngine:
                 await resp.write(chunk([], usage, stamp=True))
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
+            self.misframing.after(body, request)
         except ConnectionResetError:
             pass
         return resp

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
@@ -18,7 +18,11 @@ import pytest
 from appliance.endpoint import EngineAddress
 from appliance.gateway import splice, upstream_pool
 from appliance.gateway.http1 import (
+    MAX_CHUNK_BYTES,
+    AnswerTooLarge,
+    ChunkTooLarge,
     UpstreamError,
+    count_whole_chunks,
     is_whole_chunks,
     parse_head,
     request_bytes,
@@ -367,3 +371,178 @@ async def test_a_connection_idle_too_long_is_not_reused(monkeypatch: pytest.Monk
         assert await second.read_body() == b"ok"
         assert eng.connections == 2
         pool.close()
+
+
+# ---- the engine's framing is not trusted (security issue #20, item 5) --------------------
+PLANTED = OK_HEAD + chunk(b"data: PLANTED\n\n") + b"0\r\n\r\n"  # an answer nobody asked for
+
+
+async def until(cond: Callable[[], bool], what: str, wait_s: float = 2.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait_s
+    while not cond():
+        assert loop.time() < deadline, f"never: {what}"
+        await asyncio.sleep(0.01)
+
+
+@pytest.mark.parametrize("size", [b"+5", b"0x5", b"1_0", b" 5", b"5 ", b"-5", b"1" * 17, b""])
+def test_a_chunk_size_is_strict_hex(size: bytes) -> None:
+    """int(x, 16) took all of these but the last three; the first four reached clients."""
+    wire = size + b"\r\nhello\r\n"
+    assert count_whole_chunks(wire) == 0
+    assert not is_whole_chunks(chunk(b"a") + wire)
+    with pytest.raises(UpstreamError, match="bad chunk size line"):
+        scan_chunks(wire)
+
+
+@pytest.mark.parametrize(
+    ("line", "size"),
+    [(b"5", 5), (b"05", 5), (b"A", 10), (b"a;x=1", 10), (b"5 ;x", 5), (b"0000000000000005", 5)],
+)
+def test_strict_sizes_and_extensions_still_pass(line: bytes, size: int) -> None:
+    wire = line + b"\r\n" + b"x" * size + b"\r\n"
+    assert scan_chunks(wire) == (len(wire), [b"x" * size], -1)
+
+
+def test_an_extension_with_a_stray_cr_or_lf_or_control_byte_is_bad_framing() -> None:
+    """Extensions reach the client verbatim in the spliced stream: printable ASCII only."""
+    for line in (b"5;a\nb", b"5;a\rb", b"5;a\x00"):
+        with pytest.raises(UpstreamError, match="bad chunk size line"):
+            scan_chunks(line + b"\r\nhello\r\n")
+
+
+def test_a_chunk_over_the_cap_is_refused_at_its_size_line() -> None:
+    cap = MAX_CHUNK_BYTES
+    with pytest.raises(ChunkTooLarge, match=str(cap)):
+        scan_chunks(b"%x\r\nxxx" % (cap + 1))  # none of its data is here yet
+    assert scan_chunks(b"%x\r\nxxx" % cap) == (0, [], -1)  # at the cap: waits for the rest
+    assert count_whole_chunks(chunk(b"x" * (cap + 1))) == 0  # the fast path leaves it
+    with pytest.raises(ChunkTooLarge):
+        scan_chunks(chunk(b"x" * 10), max_chunk=9)
+
+
+def test_trailers_are_bounded_like_a_head() -> None:
+    with pytest.raises(UpstreamError, match="trailers"):
+        scan_chunks(b"0\r\nX: " + b"a" * (splice.MAX_HEAD_BYTES + 10))
+
+
+@pytest.mark.parametrize("bad", [b"+5\r\nhello\r\n", b"0x5\r\nhello\r\n", b" 5\r\nhello\r\n"])
+async def test_a_non_strict_size_mid_stream_ends_it_at_the_last_good_chunk(bad: bytes) -> None:
+    async with engine([[OK_HEAD, chunk(b"data: 1\n\n"), bad, chunk(b"data: 2\n\n")]]) as eng:
+        conn = await streaming(eng)
+        async with client_socket() as (transport, far):
+            conn.splice_to(transport)
+            with pytest.raises(UpstreamError, match="bad chunk size line"):
+                await asyncio.wait_for(conn.wait_spliced(), 2)
+            assert await read_all(far, wait_s=0.3) == chunk(b"data: 1\n\n")
+        await asyncio.wait_for(eng.closed_early.wait(), 2)
+
+
+async def test_a_huge_chunk_mid_stream_fails_it_at_once_and_closes_the_engine() -> None:
+    """Its size line is enough: nothing of it is held, and the close makes vLLM abort."""
+    huge = b"%x\r\n" % (MAX_CHUNK_BYTES + 1) + b"x" * 100_000  # and the engine goes on...
+    async with engine([[OK_HEAD, chunk(b"data: 1\n\n"), huge]]) as eng:
+        conn = await streaming(eng)
+        async with client_socket() as (transport, far):
+            conn.splice_to(transport)
+            with pytest.raises(UpstreamError, match=f"more than {MAX_CHUNK_BYTES}"):
+                await asyncio.wait_for(conn.wait_spliced(), 2)
+            assert await read_all(far, wait_s=0.3) == chunk(b"data: 1\n\n")
+        await asyncio.wait_for(eng.closed_early.wait(), 2)
+
+
+async def test_a_huge_first_chunk_fails_before_anything_reaches_the_client() -> None:
+    huge = b"%x\r\n" % (200 * 2**20) + b"x" * 100_000
+    async with engine([[OK_HEAD, huge]]) as eng:
+        conn = await UpstreamPool().acquire(EngineAddress(port=eng.port))
+        await conn.send(req(eng.port))
+        with pytest.raises(UpstreamError, match=f"more than {MAX_CHUNK_BYTES}"):
+            await asyncio.wait_for(conn.wait_first_chunk(), 2)
+        await asyncio.wait_for(eng.closed_early.wait(), 2)
+
+
+async def test_a_non_streamed_chunk_over_the_answer_limit_is_too_large_at_its_size_line() -> None:
+    head = b"HTTP/1.1 400 Bad Request\r\nTransfer-Encoding: chunked\r\n\r\n"
+    async with engine([[head, chunk(b"ab"), b"%x\r\n" % 5000 + b"x" * 100]]) as eng:
+        conn = await UpstreamPool().acquire(EngineAddress(port=eng.port))
+        await conn.send(req(eng.port))
+        with pytest.raises(AnswerTooLarge):
+            await asyncio.wait_for(conn.read_body(limit=1000), 2)
+
+
+async def test_bytes_after_a_spliced_answer_never_reach_its_client() -> None:
+    """Whole chunks after the engine's terminal chunk used to go straight to the client's
+    socket (the splice was still on): events after its stream's end."""
+    events = [chunk(b"data: 1\n\n"), chunk(b"data: 2\n\n")]
+    script: list[bytes | None] = [OK_HEAD, *events, b"0\r\n\r\n", chunk(b"data: PLANTED\n\n")]
+    async with engine([script]) as eng:
+        conn = await streaming(eng)
+        async with client_socket() as (transport, far):
+            conn.splice_to(transport)
+            await conn.wait_spliced()
+            await asyncio.wait_for(eng.closed_early.wait(), 2)  # the stray closed it
+            assert await read_all(far, wait_s=0.3) == b"".join(events)
+        assert not conn.finished
+
+
+async def test_a_connection_the_engine_writes_to_while_idle_is_not_reused() -> None:
+    """An engine that answers twice: the second answer lands on the pooled connection.
+    Kept there, the next user's request would have read it as its own."""
+    first: list[bytes | None] = [OK_HEAD, chunk(b"data: 1\n\n"), b"0\r\n\r\n", PLANTED]
+    own: list[bytes | None] = [OK_HEAD, chunk(b"data: own\n\n"), b"0\r\n\r\n"]
+    async with engine([first, own]) as eng:
+        pool = UpstreamPool()
+        address = EngineAddress(port=eng.port)
+        conn = await pool.acquire(address)
+        await conn.send(req(eng.port))
+        assert await conn.read_body() == b"data: 1\n\n"
+        assert conn.finished
+        pool.release(address, conn)  # idle in the pool when the planted answer comes
+        await asyncio.wait_for(eng.closed_early.wait(), 2)  # ...which closes it
+        again = await pool.acquire(address)
+        assert again is not conn
+        await again.send(req(eng.port))
+        assert await again.read_body() == b"data: own\n\n"
+        assert eng.connections == 2
+        pool.close()
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        [OK_HEAD + chunk(b"data: 1\n\n") + b"0\r\n\r\n" + PLANTED],
+        [b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok" + PLANTED],
+    ],
+    ids=["chunked", "content-length"],
+)
+async def test_bytes_beyond_an_answer_in_the_read_that_ends_it_make_it_unusable(
+    answer: list[bytes | None],
+) -> None:
+    async with engine([answer]) as eng:
+        pool = UpstreamPool()
+        address = EngineAddress(port=eng.port)
+        conn = await pool.acquire(address)
+        await conn.send(req(eng.port))
+        await conn.read_body()
+        assert not conn.finished
+        pool.release(address, conn)
+        assert (await pool.acquire(address)) is not conn
+        pool.close()
+
+
+async def test_bytes_before_any_request_make_a_connection_unusable() -> None:
+    server = await asyncio.start_server(
+        lambda _r, w: w.write(PLANTED),
+        "127.0.0.1",
+        0,
+    )
+    port = server.sockets[0].getsockname()[1]
+    try:
+        conn = await UpstreamPool().acquire(EngineAddress(port=port))
+        assert conn.transport is not None
+        transport = conn.transport
+        await until(transport.is_closing, "the connection is closed")
+        with pytest.raises(UpstreamError, match="closed"):  # at once, never a hang
+            await asyncio.wait_for(conn.send(req(port)), 2)
+    finally:
+        server.close()
