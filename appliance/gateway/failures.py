@@ -35,7 +35,9 @@ class EngineFailure:
     def of_client_error(cls, exc: BaseException) -> EngineFailure:
         """An aiohttp or socket error, named by its class. aiohttp's connect and read
         timeouts (``ServerTimeoutError`` and its kinds) are ``TimeoutError``s."""
-        return cls(type(exc).__name__, timed_out=isinstance(exc, TimeoutError))
+        said = getattr(exc, "said", False)  # an error of ours, worded for the client
+        reason = f"{type(exc).__name__}: {exc}" if said else type(exc).__name__
+        return cls(reason, timed_out=isinstance(exc, TimeoutError))
 
     @classmethod
     def of_upstream(cls, exc: UpstreamError) -> EngineFailure:

@@ -296,9 +296,10 @@ class StreamTap:
             return whole
         return b"".join(self._events(events))
 
-    def flush_sse(self, pending: bytearray) -> bytes:
+    def flush_sse(self, pending: bytearray, broken: bool = False) -> bytes:
+        """What is held at the end; a ``broken`` stream's partial event is dropped."""
         held, self.held = self.held, None
-        out = b"".join(held or ()) + bytes(pending)
+        out = b"".join(held or ()) + (b"" if broken else bytes(pending))
         pending.clear()
         return out
 

@@ -16,11 +16,17 @@ from aiohttp import web
 
 from appliance.gateway.answers import EngineCall, end_with_error_event, read_whole, stream_response
 from appliance.gateway.failures import RETRYABLE_STATUS, EngineFailure, failure_if_abandoned
-from appliance.gateway.http1 import AnswerTooLarge
+from appliance.gateway.http1 import MAX_CHUNK_BYTES, AnswerTooLarge
 from appliance.gateway.usage_events import StreamTap, usage_of_answer
 
 if TYPE_CHECKING:
     from appliance.gateway.app import Gateway
+
+
+class EventTooLarge(aiohttp.ClientPayloadError):
+    """One SSE event over ``MAX_CHUNK_BYTES`` (the splice path's cap on one chunk)."""
+
+    said = True  # EngineFailure.of_client_error passes its words on
 
 
 async def read_limited(upstream: aiohttp.ClientResponse, limit: int) -> bytes:
@@ -117,6 +123,11 @@ async def _stream_events(
     try:
         async for data in content.iter_any():
             chunk = tap.sse(data, pending)
+            if len(pending) > MAX_CHUNK_BYTES:
+                # One event never ends: as on the splice path, hold no more than the cap.
+                raise EventTooLarge(
+                    f"an event from the engine is larger than {MAX_CHUNK_BYTES} bytes"
+                )
             if not chunk:
                 continue
             if first:
@@ -135,7 +146,7 @@ async def _stream_events(
     except (TimeoutError, aiohttp.ClientError) as exc:
         if first:
             raise
-        await _write_rest(resp, tap.flush_sse(pending))
+        await _write_rest(resp, tap.flush_sse(pending, broken=True))
         await end_with_error_event(request, resp, type(exc).__name__)
     if first:
         await resp.prepare(request)  # an empty stream: still a valid (empty) answer

@@ -37,7 +37,7 @@ class Client:
     key: str
     model: str
 
-    def stream(self, **fields: Any) -> tuple[int, list[Any]]:
+    def stream(self, version: str = "1.1", **fields: Any) -> tuple[int, list[Any]]:
         """A streamed chat request read to its end: the status, and the events' JSON
         (the whole body's JSON when it is not a stream)."""
         body = {
@@ -48,6 +48,8 @@ class Client:
         }
         port = int(self.app.config["gateway"]["port"])
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        if version == "1.0":  # the aiohttp-client path of the relay, not the splice
+            conn._http_vsn, conn._http_vsn_str = 10, "HTTP/1.0"  # type: ignore[attr-defined]
         try:
             conn.request(
                 "POST",
@@ -125,13 +127,16 @@ def test_a_second_answer_from_the_engine_never_reaches_the_next_user(client: Cli
     assert "while no answer was due" in client.app.log()
 
 
+@pytest.mark.parametrize("version", ["1.1", "1.0"])
 def test_a_huge_chunk_mid_stream_ends_it_with_an_error_event_and_is_not_held(
-    client: Client,
+    client: Client, version: str
 ) -> None:
-    client.stream(max_tokens=2)  # warm: the first streams' own allocations are not counted
+    client.stream(version, max_tokens=2)  # warm: the first streams' allocations not counted
     aborts = client.stats()["aborts"]
     before = peak_rss_kib(client.app.proc.pid)
-    status, events = client.stream(max_tokens=4, fake_framing={"huge_chunk": HUGE, "at_token": 1})
+    status, events = client.stream(
+        version, max_tokens=4, fake_framing={"huge_chunk": HUGE, "at_token": 1}
+    )
     grown = peak_rss_kib(client.app.proc.pid) - before
     assert status == 200
     assert text_of(events) == " tok0", events  # the chunks before the huge one, whole
@@ -145,9 +150,12 @@ def test_a_huge_chunk_mid_stream_ends_it_with_an_error_event_and_is_not_held(
     assert status == 200 and text_of(events) == " tok0 tok1"
 
 
-def test_a_huge_first_chunk_is_a_clean_502(client: Client) -> None:
+@pytest.mark.parametrize("version", ["1.1", "1.0"])
+def test_a_huge_first_chunk_is_a_clean_502(client: Client, version: str) -> None:
     before = peak_rss_kib(client.app.proc.pid)
-    status, body = client.stream(max_tokens=4, fake_framing={"huge_chunk": HUGE, "at_token": 0})
+    status, body = client.stream(
+        version, max_tokens=4, fake_framing={"huge_chunk": HUGE, "at_token": 0}
+    )
     grown = peak_rss_kib(client.app.proc.pid) - before
     assert status == 502, body
     error = body[0]["error"]
