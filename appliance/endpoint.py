@@ -5,9 +5,14 @@ enter (``engine.listen = "unix"``, the default): no other local account can conn
 to it, bind its address first, or answer in its place, and vLLM's routes that its own
 ``--api-key`` leaves open (``/invocations``, ``/tokenize``, ...) are out of their reach
 too. With ``engine.listen = "tcp"`` it listens on ``127.0.0.1:port``, which any local
-process can connect to or bind while the engine is still importing; then
-:func:`tcp_listener_owner` tells, before the engine key is sent anywhere, whether the
-socket listening there belongs to the engine's own processes.
+process can bind while the engine is still importing, or the moment it dies; then
+:func:`tcp_listener_is_ours` tells whether the socket listening there belongs to the
+engine's own processes, and every new connection to the port is checked to have
+reached them before its first byte is written (:func:`tcp_connection_is_ours`). Both
+the supervisor's health checks and the gateway's relay reach an engine only through
+:meth:`EngineAddress.connect` or :meth:`EngineAddress.connector`, which apply that check
+(an :class:`EngineOwner` is required for a TCP engine), so no path reaches a TCP engine
+unchecked.
 
 The directory (:func:`private_socket_dir`) is systemd's ``RuntimeDirectory=``
 (``$RUNTIME_DIRECTORY``) under the unit, checked to be ours and made 0700; outside
@@ -18,14 +23,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import os
+import socket
 import stat
 import tempfile
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import aiohttp
+from aiohttp import ClientConnectorError
+from aiohttp.client_proto import ResponseHandler
 
 from appliance.errors import ApplianceError
 
@@ -63,20 +73,32 @@ class EngineAddress:
     def __str__(self) -> str:
         return f"unix:{self.uds}" if self.uds is not None else f"127.0.0.1:{self.port}"
 
-    def connector(self, **kwargs: object) -> aiohttp.BaseConnector:
-        """An aiohttp connector that reaches this engine (and nothing else)."""
+    def connector(self, owner: EngineOwner | None, **kwargs: object) -> aiohttp.BaseConnector:
+        """An aiohttp connector that reaches this engine (and nothing else): over TCP,
+        each new connection is checked to be ``owner``'s before a byte is written."""
         if self.uds is not None:
             return aiohttp.UnixConnector(path=self.uds, **kwargs)  # type: ignore[arg-type]
-        return aiohttp.TCPConnector(**kwargs)  # type: ignore[arg-type]
+        assert self.port is not None  # __post_init__: one of the two is set
+        return CheckedTCPConnector(self._tcp_owner(owner), self.port, **kwargs)
 
     async def connect(
-        self, factory: Callable[[], asyncio.Protocol]
+        self, factory: Callable[[], asyncio.Protocol], owner: EngineOwner | None
     ) -> tuple[asyncio.BaseTransport, asyncio.Protocol]:
+        """A new connection to the engine; over TCP, checked to be ``owner``'s before its
+        first byte (:class:`ForeignListener` when not: closed, nothing sent)."""
         loop = asyncio.get_running_loop()
         if self.uds is not None:
             return await loop.create_unix_connection(factory, self.uds)
+        checked = self._tcp_owner(owner)
         assert self.port is not None  # __post_init__: one of the two is set
-        return await loop.create_connection(factory, "127.0.0.1", self.port)
+        transport, protocol = await loop.create_connection(factory, "127.0.0.1", self.port)
+        checked.check(transport, self.port)
+        return transport, protocol
+
+    def _tcp_owner(self, owner: EngineOwner | None) -> EngineOwner:
+        if owner is None:
+            raise ValueError(f"{self}: a TCP engine is reached only with its owner to check")
+        return owner
 
 
 def private_socket_dir(env: Mapping[str, str]) -> tuple[Path, bool]:
@@ -226,4 +248,132 @@ def _listener_uid(port: int) -> int | None:
             host, _, hexport = fields[1].partition(":")
             if fields[3] == _LISTEN and int(hexport, 16) == port and host in _LOOPBACK_V4:
                 return int(fields[7])
+    return None
+
+
+# ---- TCP: is this new connection to the engine's port one the engine accepted? ----------
+
+_ESTABLISHED, _SYN_RECV = "01", "03"
+_V4_MAPPED = "0000000000000000FFFF0000"  # ::ffff:a.b.c.d in /proc/net/tcp6, before a.b.c.d
+
+
+class ForeignListener(ConnectionRefusedError):
+    """A new connection to a TCP engine's port reached someone else's socket: it was
+    closed before a byte was written (a connect failure, retried elsewhere)."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineOwner:
+    """Whose a TCP engine's connections must be, and who hears of one that was not.
+
+    ``pid`` is the API server's pid now (None: not running; read at every check, so a
+    restart's new process counts and a dead one's never does), ``tree`` every pid of the
+    tree under it (``proctree.tree_pids``: this layer cannot import it), ``on_foreign``
+    is told why a connection was refused (the gateway takes the engine out of routing).
+    """
+
+    pid: Callable[[], int | None]
+    tree: Callable[[int], Iterable[int]]
+    on_foreign: Callable[[str], None] = lambda why: None
+
+    def check(self, transport: asyncio.BaseTransport, port: int) -> None:
+        """Close ``transport`` and raise :class:`ForeignListener` unless its peer is ours."""
+        sock = transport.get_extra_info("socket")
+        why = "no socket to check" if sock is None else self.refusal(sock.getsockname(), port)
+        if why is not None:
+            transport.close()  # nothing was written: the request never left
+            self.on_foreign(why)
+            raise ForeignListener(errno.ECONNREFUSED, why)
+
+    def refusal(self, local: tuple[Any, ...], port: int) -> str | None:
+        """None when the connection from ``local`` to 127.0.0.1:``port`` is the engine's;
+        else why not, in words for the log."""
+        pid = self.pid()
+        if pid is None:
+            return "the engine is not running"
+        ours = tcp_connection_is_ours(str(local[0]), int(local[1]), port, pid, self.tree)
+        return None if ours else f"port {port} is answered by {describe_listener(port)}"
+
+
+class CheckedTCPConnector(aiohttp.TCPConnector):
+    """aiohttp's TCP connector, checking each new connection with :class:`EngineOwner`
+    before aiohttp writes a request on it (a refusal is a connect error to aiohttp)."""
+
+    def __init__(self, owner: EngineOwner, port: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._owner = owner
+        self._port = port
+
+    async def _wrap_create_connection(
+        self, *args: Any, req: aiohttp.ClientRequest, **kwargs: Any
+    ) -> tuple[asyncio.Transport, ResponseHandler]:
+        # aiohttp's own step from a connected socket to a transport (no byte written yet);
+        # overriding it is how a connector may look at the connection before use.
+        transport, proto = await super()._wrap_create_connection(*args, req=req, **kwargs)
+        try:
+            self._owner.check(transport, self._port)
+        except ForeignListener as exc:
+            raise ClientConnectorError(req.connection_key, exc) from None
+        return transport, proto
+
+
+def tcp_connection_is_ours(
+    local_ip: str,
+    local_port: int,
+    port: int,
+    pid: int,
+    tree: Callable[[int], Iterable[int]],
+    proc_net: str = "/proc/net",
+) -> bool:
+    """Whether our connection from ``local_ip:local_port`` to 127.0.0.1:``port`` reached
+    a socket of the engine whose API server is ``pid``.
+
+    The server side of the connection is looked up by its 4-tuple in /proc/net/tcp (and
+    tcp6, for a dual-stack listener); its inode must be among the fds of the engine's
+    processes (the API server's first, the whole tree only when that misses). A
+    connection the engine has not yet accept()ed shows inode 0 and belongs to no fd
+    yet: it sits in the queue of a listener on that port, so then every listener there
+    must be the engine's. That is sound without waiting for the accept: a socket of
+    another user cannot listen on a port our listener holds (Linux refuses the bind, and
+    SO_REUSEPORT sharing needs the same uid and the option on our socket too), and a
+    listener's queue dies with it (its connections are reset, never handed on).
+    """
+    found = server_side(local_ip, local_port, port, proc_net)
+    if found is None:
+        return False  # reset or closed already: nobody of ours holds it
+    state, inode = found
+    if inode == 0:
+        if state not in (_ESTABLISHED, _SYN_RECV):
+            return False  # accepted and closed already: not a connection to send on
+        wanted = listening_inodes(port, proc_net)
+    else:
+        wanted = {inode}
+    if not wanted:
+        return False
+    held = socket_inodes([pid])
+    if wanted <= held:
+        return True
+    return wanted <= held | socket_inodes(set(tree(pid)) - {pid})
+
+
+def server_side(
+    local_ip: str, local_port: int, port: int, proc_net: str = "/proc/net"
+) -> tuple[str, int] | None:
+    """The state and inode of the server's end of our connection from ``local_ip:
+    local_port`` to 127.0.0.1:``port`` (its local address is our remote one), from
+    /proc/net/tcp or tcp6; None when the kernel has no such socket."""
+    v4 = socket.inet_aton(local_ip)[::-1].hex().upper()
+    server_v4 = "0100007F"
+    for name, prefix in (("tcp", ""), ("tcp6", _V4_MAPPED)):
+        needle = f" {prefix}{server_v4}:{port:04X} {prefix}{v4}:{local_port:04X} "
+        try:
+            with open(os.path.join(proc_net, name)) as f:
+                text = f.read()
+        except OSError:
+            continue
+        at = text.find(needle)
+        if at < 0:
+            continue
+        fields = text[at : text.find("\n", at)].split()
+        return fields[2], int(fields[8])
     return None
