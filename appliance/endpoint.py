@@ -25,11 +25,11 @@ import asyncio
 import contextlib
 import errno
 import os
-import socket
 import stat
 import tempfile
+import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,7 @@ import aiohttp
 from aiohttp import ClientConnectorError
 from aiohttp.client_proto import ResponseHandler
 
+from appliance import sockdiag
 from appliance.errors import ApplianceError
 
 # sun_path holds 108 bytes including the terminating NUL.
@@ -91,12 +92,13 @@ class EngineAddress:
             return await loop.create_unix_connection(factory, self.uds)
         checked = self._tcp_owner(owner)
         assert self.port is not None  # __post_init__: one of the two is set
+        since = time.monotonic()
         transport, protocol = await loop.create_connection(factory, "127.0.0.1", self.port)
-        checked.check(transport, self.port)
+        checked.check(transport, self.port, since)
         return transport, protocol
 
     def _tcp_owner(self, owner: EngineOwner | None) -> EngineOwner:
-        if owner is None:
+        if owner is None:  # no unchecked way to a TCP engine
             raise ValueError(f"{self}: a TCP engine is reached only with its owner to check")
         return owner
 
@@ -155,34 +157,6 @@ def remove_stale_socket(path: str) -> None:
 
 # ---- TCP: is the listener on our port one of the engine's own processes? ----------------
 
-_LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp's "st" column
-_LOOPBACK_V4 = {"0100007F", "00000000"}  # 127.0.0.1 and 0.0.0.0, as /proc shows them
-# ::, ::ffff:0.0.0.0 and ::ffff:127.0.0.1 in /proc/net/tcp6's byte order (dual stack).
-_LOOPBACK_V6 = {
-    "00000000000000000000000000000000",
-    "0000000000000000FFFF000000000000",
-    "0000000000000000FFFF00000100007F",
-}
-
-
-def listening_inodes(port: int, proc_net: str = "/proc/net") -> set[int]:
-    """Inodes of the sockets listening on 127.0.0.1:``port`` (or on every address)."""
-    found: set[int] = set()
-    for name, hosts in (("tcp", _LOOPBACK_V4), ("tcp6", _LOOPBACK_V6)):
-        try:
-            with open(os.path.join(proc_net, name)) as f:
-                lines = f.read().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            fields = line.split()
-            if len(fields) < 10 or fields[3] != _LISTEN:
-                continue
-            host, _, hexport = fields[1].partition(":")
-            if int(hexport, 16) == port and host in hosts:
-                found.add(int(fields[9]))
-    return found
-
 
 def socket_inodes(pids: Iterable[int]) -> set[int]:
     """The socket inodes the given processes hold open (ours: no privilege needed)."""
@@ -208,7 +182,7 @@ def tcp_listener_is_ours(port: int, tree_pids: Iterable[int]) -> bool | None:
     engine holds the listening socket no other user can bind the port, so a True here
     is not undone by a squatter between the check and the request.
     """
-    listening = listening_inodes(port)
+    listening = sockdiag.listening_inodes(port)
     if not listening:
         return None
     return bool(listening & socket_inodes(tree_pids))
@@ -216,13 +190,13 @@ def tcp_listener_is_ours(port: int, tree_pids: Iterable[int]) -> bool | None:
 
 def describe_listener(port: int) -> str:
     """Who holds ``port``, for the log: "NAME (pid N) of uid U" where /proc lets us see."""
-    wanted = listening_inodes(port)
+    wanted = sockdiag.listening_inodes(port)
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         if wanted & socket_inodes([int(entry)]):
             return f"{_proc_name(int(entry))} (pid {entry}) of uid {_proc_uid(int(entry))}"
-    uid = _listener_uid(port)
+    uid = sockdiag.listener_uid_in_proc(port)
     return "a process of another user" + (f" (uid {uid})" if uid is not None else "")
 
 
@@ -240,21 +214,9 @@ def _proc_uid(pid: int) -> str:
         return "?"
 
 
-def _listener_uid(port: int) -> int | None:
-    """The owner's uid of a listener on ``port``, from /proc/net/tcp's "uid" column."""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
-            fields = line.split()
-            host, _, hexport = fields[1].partition(":")
-            if fields[3] == _LISTEN and int(hexport, 16) == port and host in _LOOPBACK_V4:
-                return int(fields[7])
-    return None
-
-
 # ---- TCP: is this new connection to the engine's port one the engine accepted? ----------
 
-_ESTABLISHED, _SYN_RECV = "01", "03"
-_V4_MAPPED = "0000000000000000FFFF0000"  # ::ffff:a.b.c.d in /proc/net/tcp6, before a.b.c.d
+_ESTABLISHED, _SYN_RECV = 1, 3  # the kernel's TCP states
 
 
 class ForeignListener(ConnectionRefusedError):
@@ -275,23 +237,30 @@ class EngineOwner:
     pid: Callable[[], int | None]
     tree: Callable[[int], Iterable[int]]
     on_foreign: Callable[[str], None] = lambda why: None
+    # (pid, inode) of the engine's listeners, and when each was found among its fds.
+    known: dict[tuple[int, int], float] = field(default_factory=dict, compare=False)
 
-    def check(self, transport: asyncio.BaseTransport, port: int) -> None:
-        """Close ``transport`` and raise :class:`ForeignListener` unless its peer is ours."""
+    def check(self, transport: asyncio.BaseTransport, port: int, since: float) -> None:
+        """Close ``transport`` (connected after ``since``, time.monotonic()) and raise
+        :class:`ForeignListener` unless its peer is ours."""
         sock = transport.get_extra_info("socket")
-        why = "no socket to check" if sock is None else self.refusal(sock.getsockname(), port)
+        local = sock.getsockname() if sock is not None else None
+        why = "no socket to check" if local is None else self.refusal(local, port, since)
         if why is not None:
             transport.close()  # nothing was written: the request never left
             self.on_foreign(why)
             raise ForeignListener(errno.ECONNREFUSED, why)
 
-    def refusal(self, local: tuple[Any, ...], port: int) -> str | None:
+    def refusal(self, local: tuple[Any, ...], port: int, since: float = 0.0) -> str | None:
         """None when the connection from ``local`` to 127.0.0.1:``port`` is the engine's;
         else why not, in words for the log."""
         pid = self.pid()
         if pid is None:
             return "the engine is not running"
-        ours = tcp_connection_is_ours(str(local[0]), int(local[1]), port, pid, self.tree)
+        if any(p != pid for p, _ in self.known):
+            self.known.clear()  # a new spawn: its listeners are found afresh
+        at = (str(local[0]), int(local[1]))
+        ours = tcp_connection_is_ours(at, port, pid, self.tree, self.known, since)
         return None if ours else f"port {port} is answered by {describe_listener(port)}"
 
 
@@ -309,71 +278,84 @@ class CheckedTCPConnector(aiohttp.TCPConnector):
     ) -> tuple[asyncio.Transport, ResponseHandler]:
         # aiohttp's own step from a connected socket to a transport (no byte written yet);
         # overriding it is how a connector may look at the connection before use.
+        since = time.monotonic()
         transport, proto = await super()._wrap_create_connection(*args, req=req, **kwargs)
         try:
-            self._owner.check(transport, self._port)
+            self._owner.check(transport, self._port, since)
         except ForeignListener as exc:
             raise ClientConnectorError(req.connection_key, exc) from None
         return transport, proto
 
 
 def tcp_connection_is_ours(
-    local_ip: str,
-    local_port: int,
+    local: tuple[str, int],
     port: int,
     pid: int,
     tree: Callable[[int], Iterable[int]],
-    proc_net: str = "/proc/net",
+    known: dict[tuple[int, int], float] | None = None,
+    since: float = 0.0,
 ) -> bool:
-    """Whether our connection from ``local_ip:local_port`` to 127.0.0.1:``port`` reached
-    a socket of the engine whose API server is ``pid``.
+    """Whether our connection from ``local`` (made after ``since``) to 127.0.0.1:``port``
+    reached the engine whose API server is ``pid``.
 
-    The server side of the connection is looked up by its 4-tuple in /proc/net/tcp (and
-    tcp6, for a dual-stack listener); its inode must be among the fds of the engine's
-    processes (the API server's first, the whole tree only when that misses). A
-    connection the engine has not yet accept()ed shows inode 0 and belongs to no fd
-    yet: it sits in the queue of a listener on that port, so then every listener there
-    must be the engine's. That is sound without waiting for the accept: a socket of
-    another user cannot listen on a port our listener holds (Linux refuses the bind, and
-    SO_REUSEPORT sharing needs the same uid and the option on our socket too), and a
-    listener's queue dies with it (its connections are reset, never handed on).
+    The inode :func:`connection_inodes` names must be among the fds of the engine's
+    processes (the API server's, else its tree's). That costs a readlink per fd (ms for
+    an engine with a thousand connections), so the listeners found there go in
+    ``known``, with when: a connection made after that, while they are still all that
+    listens on the port, was queued by them (no other user's socket can listen beside
+    ours, see :func:`connection_inodes`): the engine's, accepted yet or not.
     """
-    found = server_side(local_ip, local_port, port, proc_net)
-    if found is None:
-        return False  # reset or closed already: nobody of ours holds it
-    state, inode = found
-    if inode == 0:
-        if state not in (_ESTABLISHED, _SYN_RECV):
-            return False  # accepted and closed already: not a connection to send on
-        wanted = listening_inodes(port, proc_net)
-    else:
-        wanted = {inode}
+    known = {} if known is None else known
+    end, listening = connection_inodes(local[0], local[1], port)
+    if end is None:
+        return False
+    if listening and all(known.get((pid, i), since) < since for i in listening):
+        return True
+    wanted = {end} if end else listening
     if not wanted:
         return False
     held = socket_inodes([pid])
-    if wanted <= held:
-        return True
-    return wanted <= held | socket_inodes(set(tree(pid)) - {pid})
+    if not wanted <= held:
+        held |= socket_inodes(set(tree(pid)) - {pid})
+    now = time.monotonic()
+    for inode in listening & held:
+        known.setdefault((pid, inode), now)
+    return wanted <= held
 
 
-def server_side(
-    local_ip: str, local_port: int, port: int, proc_net: str = "/proc/net"
-) -> tuple[str, int] | None:
-    """The state and inode of the server's end of our connection from ``local_ip:
-    local_port`` to 127.0.0.1:``port`` (its local address is our remote one), from
-    /proc/net/tcp or tcp6; None when the kernel has no such socket."""
-    v4 = socket.inet_aton(local_ip)[::-1].hex().upper()
-    server_v4 = "0100007F"
-    for name, prefix in (("tcp", ""), ("tcp6", _V4_MAPPED)):
-        needle = f" {prefix}{server_v4}:{port:04X} {prefix}{v4}:{local_port:04X} "
-        try:
-            with open(os.path.join(proc_net, name)) as f:
-                text = f.read()
-        except OSError:
-            continue
-        at = text.find(needle)
-        if at < 0:
-            continue
-        fields = text[at : text.find("\n", at)].split()
-        return fields[2], int(fields[8])
-    return None
+def connection_inodes(
+    local_ip: str, local_port: int, port: int, diag: bool = True, proc_net: str = "/proc/net"
+) -> tuple[int | None, set[int]]:
+    """The inode of our connection's server end (0: not yet accepted; None: no such
+    connection now, or one closed already) and those of the sockets listening on the
+    port where it could have been queued (127.0.0.1, or every address).
+
+    The server end is looked up by its 4-tuple (:mod:`appliance.sockdiag`; /proc/net/tcp
+    where that cannot be used, or ``diag`` is False). One the engine has not yet
+    accept()ed has inode 0 and belongs to no fd: it waits in the queue of a listener on
+    the port, so then every such listener must be the engine's. That is sound without
+    waiting for the accept: a socket of another user cannot listen on a port our
+    listener holds (Linux refuses the bind or the listen, and SO_REUSEPORT sharing needs
+    the same uid and the option on our socket too), and a listener's queue dies with it
+    (its connections are reset, never handed on).
+    """
+    server, client = ("127.0.0.1", port), (local_ip, local_port)
+    if diag:
+        with contextlib.suppress(OSError):
+            found = sockdiag.find(server, client)
+            return _end(found), _diag_listening_inodes(port)
+    found = sockdiag.find_in_proc(server, client, proc_net)
+    return _end(found), sockdiag.listening_inodes(port, proc_net)
+
+
+def _end(found: sockdiag.SockInfo | None) -> int | None:
+    if found is None:
+        return None  # reset already
+    if found.inode == 0 and found.state not in (_ESTABLISHED, _SYN_RECV):
+        return None  # accepted and closed already: not a connection to send on
+    return found.inode
+
+
+def _diag_listening_inodes(port: int) -> set[int]:
+    hosts = {"127.0.0.1", "0.0.0.0", "::", "::ffff:127.0.0.1", "::ffff:0.0.0.0"}
+    return {s.inode for s in sockdiag.listeners(port) if s.local[0] in hosts}

@@ -13,16 +13,18 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from appliance import sockdiag
 from appliance.endpoint import (
     EngineAddress,
     EngineOwner,
     ForeignListener,
-    server_side,
+    connection_inodes,
     tcp_connection_is_ours,
 )
 
@@ -44,20 +46,25 @@ def listener() -> Iterator[socket.socket]:
         sock.close()
 
 
-def test_an_established_connection_is_found_by_its_four_tuple() -> None:
+@pytest.mark.parametrize("diag", [True, False], ids=["sock_diag", "proc-net-tcp"])
+def test_an_established_connection_is_found_by_its_four_tuple(diag: bool) -> None:
     with listener() as lsock, socket.create_connection(lsock.getsockname()) as client:
         port = lsock.getsockname()[1]
-        ip, local_port = client.getsockname()
-        # Not accepted yet: the server end exists, in the listener's queue, with no inode.
-        assert server_side(ip, local_port, port) == ("01", 0)
-        assert tcp_connection_is_ours(ip, local_port, port, os.getpid(), own_tree)
+        local = client.getsockname()
+        listening = {os.fstat(lsock.fileno()).st_ino}
+        # Not accepted yet: the server end waits in the listener's queue, with no inode,
+        # so the listener is what must be the engine's.
+        assert connection_inodes(*local, port, diag) == (0, listening)
+        assert tcp_connection_is_ours(local, port, os.getpid(), own_tree)
         accepted, _ = lsock.accept()
         with accepted:
             inode = os.fstat(accepted.fileno()).st_ino
-            assert server_side(ip, local_port, port) == ("01", inode)
-            assert tcp_connection_is_ours(ip, local_port, port, os.getpid(), own_tree)
+            assert connection_inodes(*local, port, diag) == (inode, listening)
+            assert tcp_connection_is_ours(local, port, os.getpid(), own_tree)
             # Any other process is not the engine (a pid with no such fd).
-            assert not tcp_connection_is_ours(ip, local_port, port, 1, lambda pid: {pid})
+            assert not tcp_connection_is_ours(local, port, 1, lambda pid: {pid})
+        # A 4-tuple with no connection: nothing of ours.
+        assert connection_inodes(local[0], local[1] ^ 1, port, diag) == (None, listening)
 
 
 SQUATTER = """
@@ -82,13 +89,13 @@ def test_a_connection_to_another_process_s_listener_is_not_ours() -> None:
         assert proc.stdout is not None
         port = int(proc.stdout.readline())
         with socket.create_connection(("127.0.0.1", port)) as client:
-            ip, local_port = client.getsockname()
-            ours = tcp_connection_is_ours(ip, local_port, port, os.getpid(), own_tree)
+            local = client.getsockname()
+            ours = tcp_connection_is_ours(local, port, os.getpid(), own_tree)
             assert proc.stdout.readline().strip() == "accepted"
             assert not ours  # in its queue, or already its socket: either way not ours
-            assert not tcp_connection_is_ours(ip, local_port, port, os.getpid(), own_tree)
+            assert not tcp_connection_is_ours(local, port, os.getpid(), own_tree)
             # ... and it is that process's, whose fds are where its inode is.
-            assert tcp_connection_is_ours(ip, local_port, port, proc.pid, lambda pid: {pid})
+            assert tcp_connection_is_ours(local, port, proc.pid, lambda pid: {pid})
     finally:
         proc.kill()
         proc.wait()
@@ -117,19 +124,24 @@ def test_proc_net_lines_are_read_by_their_columns(tmp_path: Path) -> None:
         + proc_line(2, "0100007F:1FA4", "0100007F:C350", "01", 4242)  # the server end
     )
     (tmp_path / "tcp6").write_text(TCP_HEADER)
-    assert server_side("127.0.0.1", 50000, 8100, str(tmp_path)) == ("01", 4242)
-    assert server_side("127.0.0.1", 50001, 8100, str(tmp_path)) is None
+    server = ("127.0.0.1", 8100)
+    found = sockdiag.find_in_proc(server, ("127.0.0.1", 50000), str(tmp_path))
+    assert found is not None and (found.state, found.uid, found.inode) == (1, 65534, 4242)
+    assert sockdiag.find_in_proc(server, ("127.0.0.1", 50001), str(tmp_path)) is None
     mapped = "0000000000000000FFFF00000100007F"
     (tmp_path / "tcp").write_text(TCP_HEADER)
     (tmp_path / "tcp6").write_text(
         TCP_HEADER + proc_line(0, f"{mapped}:1FA4", f"{mapped}:C350", "03", 0)
     )
-    assert server_side("127.0.0.1", 50000, 8100, str(tmp_path)) == ("03", 0)
+    found = sockdiag.find_in_proc(server, ("127.0.0.1", 50000), str(tmp_path))
+    assert found is not None and (found.state, found.inode) == (3, 0)
 
 
-def test_a_closed_server_end_or_a_foreign_listener_is_not_ours(tmp_path: Path) -> None:
-    """inode 0 counts only while waiting in a listener's queue, and only when every
-    listener on the port is the engine's (here: no process holds inode 111)."""
+def test_a_queued_connection_needs_the_listener_a_closed_one_counts_for_none(
+    tmp_path: Path,
+) -> None:
+    """inode 0 counts only while waiting in a listener's queue, and then the listener
+    must be the engine's; a server end already closed is no engine's."""
     (tmp_path / "tcp6").write_text(TCP_HEADER)
     for state in ("01", "06"):  # ESTABLISHED in the queue; TIME_WAIT (closed already)
         (tmp_path / "tcp").write_text(
@@ -137,8 +149,9 @@ def test_a_closed_server_end_or_a_foreign_listener_is_not_ours(tmp_path: Path) -
             + proc_line(0, "0100007F:1FA4", "00000000:0000", "0A", 111)
             + proc_line(1, "0100007F:1FA4", "0100007F:C350", state, 0)
         )
-        assert not tcp_connection_is_ours(
-            "127.0.0.1", 50000, 8100, os.getpid(), own_tree, str(tmp_path)
+        assert connection_inodes("127.0.0.1", 50000, 8100, False, str(tmp_path)) == (
+            0 if state == "01" else None,
+            {111},
         )
 
 
@@ -178,3 +191,23 @@ async def test_a_refused_connection_is_closed_unsent_and_reported() -> None:
         server.close()
         await server.wait_closed()
     assert got == [b"", b"", b""]  # not one byte reached it, even on the one that was ours
+
+
+def test_listeners_found_among_the_engine_s_fds_spare_the_next_connections_the_scan() -> None:
+    """Once the engine's listener was found in its fds, a connection made after that,
+    while it is still all that listens on the port, is the engine's without reading
+    the engine's fds again (pid 1 here holds none of these sockets)."""
+    with listener() as lsock, socket.create_connection(lsock.getsockname()) as client:
+        port = lsock.getsockname()[1]
+        known: dict[tuple[int, int], float] = {}
+        before = time.monotonic()
+        assert tcp_connection_is_ours(client.getsockname(), port, os.getpid(), own_tree, known)
+        assert set(known) == {(os.getpid(), os.fstat(lsock.fileno()).st_ino)}
+        remembered = {(1, inode): when for (_, inode), when in known.items()}
+        with socket.create_connection(lsock.getsockname()) as later:
+            since = time.monotonic()
+            assert tcp_connection_is_ours(later.getsockname(), port, 1, own_tree, remembered, since)
+            # A connection made before the listener was found is checked in full.
+            assert not tcp_connection_is_ours(
+                later.getsockname(), port, 1, own_tree, remembered, before
+            )
