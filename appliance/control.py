@@ -4,7 +4,8 @@ Neither side imports the other. Each depends on this module alone, and the compo
 root (:mod:`appliance.serve`) hands each its half of the other::
 
     gateway ──reads──► ApplianceView   (status snapshots: frozen, copied, never live)
-            ──calls──► EngineCommands  (restart / drain / resume → CommandResult)
+            ──calls──► EngineCommands  (restart / drain / resume / check_listener
+                                        → CommandResult)
                          ▲ implemented by the supervisor
     supervisor ─calls─► GatewayLink    (work in flight, KV breaker, throttle, shutdown)
                          ▲ implemented by the gateway
@@ -160,6 +161,12 @@ class EngineCommands(Protocol):
         ...
 
     async def resume(self, engine_id: int) -> CommandResult: ...
+
+    async def check_listener(self, engine_id: int) -> CommandResult:
+        """Check the engine now, its TCP listener first (the gateway found someone else
+        on its port): answered once that check is done. ok: the listener is the
+        engine's own; not ok: it is being replaced, or is not running (``message``)."""
+        ...
 
 
 class Appliance(ApplianceView, EngineCommands, Protocol):

@@ -5,9 +5,14 @@ enter (``engine.listen = "unix"``, the default): no other local account can conn
 to it, bind its address first, or answer in its place, and vLLM's routes that its own
 ``--api-key`` leaves open (``/invocations``, ``/tokenize``, ...) are out of their reach
 too. With ``engine.listen = "tcp"`` it listens on ``127.0.0.1:port``, which any local
-process can connect to or bind while the engine is still importing; then
-:func:`tcp_listener_owner` tells, before the engine key is sent anywhere, whether the
-socket listening there belongs to the engine's own processes.
+process can bind while the engine is still importing, or the moment it dies; then
+:func:`tcp_listener_is_ours` tells whether the socket listening there belongs to the
+engine's own processes, and every new connection to the port is checked to have
+reached them before its first byte is written (:func:`tcp_connection_is_ours`). Both
+the supervisor's health checks and the gateway's relay reach an engine only through
+:meth:`EngineAddress.connect` or :meth:`EngineAddress.connector`, which apply that check
+(an :class:`EngineOwner` is required for a TCP engine), so no path reaches a TCP engine
+unchecked.
 
 The directory (:func:`private_socket_dir`) is systemd's ``RuntimeDirectory=``
 (``$RUNTIME_DIRECTORY``) under the unit, checked to be ours and made 0700; outside
@@ -18,15 +23,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import os
 import stat
 import tempfile
+import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import aiohttp
+from aiohttp import ClientConnectorError
+from aiohttp.client_proto import ResponseHandler
 
+from appliance import sockdiag
 from appliance.errors import ApplianceError
 
 # sun_path holds 108 bytes including the terminating NUL.
@@ -63,20 +74,33 @@ class EngineAddress:
     def __str__(self) -> str:
         return f"unix:{self.uds}" if self.uds is not None else f"127.0.0.1:{self.port}"
 
-    def connector(self, **kwargs: object) -> aiohttp.BaseConnector:
-        """An aiohttp connector that reaches this engine (and nothing else)."""
+    def connector(self, owner: EngineOwner | None, **kwargs: object) -> aiohttp.BaseConnector:
+        """An aiohttp connector that reaches this engine (and nothing else): over TCP,
+        each new connection is checked to be ``owner``'s before a byte is written."""
         if self.uds is not None:
             return aiohttp.UnixConnector(path=self.uds, **kwargs)  # type: ignore[arg-type]
-        return aiohttp.TCPConnector(**kwargs)  # type: ignore[arg-type]
+        assert self.port is not None  # __post_init__: one of the two is set
+        return CheckedTCPConnector(self._tcp_owner(owner), self.port, **kwargs)
 
     async def connect(
-        self, factory: Callable[[], asyncio.Protocol]
+        self, factory: Callable[[], asyncio.Protocol], owner: EngineOwner | None
     ) -> tuple[asyncio.BaseTransport, asyncio.Protocol]:
+        """A new connection to the engine; over TCP, checked to be ``owner``'s before its
+        first byte (:class:`ForeignListener` when not: closed, nothing sent)."""
         loop = asyncio.get_running_loop()
         if self.uds is not None:
             return await loop.create_unix_connection(factory, self.uds)
+        checked = self._tcp_owner(owner)
         assert self.port is not None  # __post_init__: one of the two is set
-        return await loop.create_connection(factory, "127.0.0.1", self.port)
+        since = time.monotonic()
+        transport, protocol = await loop.create_connection(factory, "127.0.0.1", self.port)
+        checked.check(transport, self.port, since)
+        return transport, protocol
+
+    def _tcp_owner(self, owner: EngineOwner | None) -> EngineOwner:
+        if owner is None:  # no unchecked way to a TCP engine
+            raise ValueError(f"{self}: a TCP engine is reached only with its owner to check")
+        return owner
 
 
 def private_socket_dir(env: Mapping[str, str]) -> tuple[Path, bool]:
@@ -133,34 +157,6 @@ def remove_stale_socket(path: str) -> None:
 
 # ---- TCP: is the listener on our port one of the engine's own processes? ----------------
 
-_LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp's "st" column
-_LOOPBACK_V4 = {"0100007F", "00000000"}  # 127.0.0.1 and 0.0.0.0, as /proc shows them
-# ::, ::ffff:0.0.0.0 and ::ffff:127.0.0.1 in /proc/net/tcp6's byte order (dual stack).
-_LOOPBACK_V6 = {
-    "00000000000000000000000000000000",
-    "0000000000000000FFFF000000000000",
-    "0000000000000000FFFF00000100007F",
-}
-
-
-def listening_inodes(port: int, proc_net: str = "/proc/net") -> set[int]:
-    """Inodes of the sockets listening on 127.0.0.1:``port`` (or on every address)."""
-    found: set[int] = set()
-    for name, hosts in (("tcp", _LOOPBACK_V4), ("tcp6", _LOOPBACK_V6)):
-        try:
-            with open(os.path.join(proc_net, name)) as f:
-                lines = f.read().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            fields = line.split()
-            if len(fields) < 10 or fields[3] != _LISTEN:
-                continue
-            host, _, hexport = fields[1].partition(":")
-            if int(hexport, 16) == port and host in hosts:
-                found.add(int(fields[9]))
-    return found
-
 
 def socket_inodes(pids: Iterable[int]) -> set[int]:
     """The socket inodes the given processes hold open (ours: no privilege needed)."""
@@ -186,7 +182,7 @@ def tcp_listener_is_ours(port: int, tree_pids: Iterable[int]) -> bool | None:
     engine holds the listening socket no other user can bind the port, so a True here
     is not undone by a squatter between the check and the request.
     """
-    listening = listening_inodes(port)
+    listening = sockdiag.listening_inodes(port)
     if not listening:
         return None
     return bool(listening & socket_inodes(tree_pids))
@@ -194,13 +190,13 @@ def tcp_listener_is_ours(port: int, tree_pids: Iterable[int]) -> bool | None:
 
 def describe_listener(port: int) -> str:
     """Who holds ``port``, for the log: "NAME (pid N) of uid U" where /proc lets us see."""
-    wanted = listening_inodes(port)
+    wanted = sockdiag.listening_inodes(port)
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         if wanted & socket_inodes([int(entry)]):
             return f"{_proc_name(int(entry))} (pid {entry}) of uid {_proc_uid(int(entry))}"
-    uid = _listener_uid(port)
+    uid = sockdiag.listener_uid_in_proc(port)
     return "a process of another user" + (f" (uid {uid})" if uid is not None else "")
 
 
@@ -218,12 +214,148 @@ def _proc_uid(pid: int) -> str:
         return "?"
 
 
-def _listener_uid(port: int) -> int | None:
-    """The owner's uid of a listener on ``port``, from /proc/net/tcp's "uid" column."""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
-            fields = line.split()
-            host, _, hexport = fields[1].partition(":")
-            if fields[3] == _LISTEN and int(hexport, 16) == port and host in _LOOPBACK_V4:
-                return int(fields[7])
-    return None
+# ---- TCP: is this new connection to the engine's port one the engine accepted? ----------
+
+_ESTABLISHED, _SYN_RECV = 1, 3  # the kernel's TCP states
+
+
+class ForeignListener(ConnectionRefusedError):
+    """A new connection to a TCP engine's port reached someone else's socket: it was
+    closed before a byte was written (a connect failure, retried elsewhere)."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineOwner:
+    """Whose a TCP engine's connections must be, and who hears of one that was not.
+
+    ``pid`` is the API server's pid now (None: not running; read at every check, so a
+    restart's new process counts and a dead one's never does), ``tree`` every pid of the
+    tree under it (``proctree.tree_pids``: this layer cannot import it), ``on_foreign``
+    is told why a connection was refused (the gateway takes the engine out of routing).
+    """
+
+    pid: Callable[[], int | None]
+    tree: Callable[[int], Iterable[int]]
+    on_foreign: Callable[[str], None] = lambda why: None
+    # (pid, inode) of the engine's listeners, and when each was found among its fds.
+    known: dict[tuple[int, int], float] = field(default_factory=dict, compare=False)
+
+    def check(self, transport: asyncio.BaseTransport, port: int, since: float) -> None:
+        """Close ``transport`` (connected after ``since``, time.monotonic()) and raise
+        :class:`ForeignListener` unless its peer is ours."""
+        sock = transport.get_extra_info("socket")
+        local = sock.getsockname() if sock is not None else None
+        why = "no socket to check" if local is None else self.refusal(local, port, since)
+        if why is not None:
+            transport.close()  # nothing was written: the request never left
+            self.on_foreign(why)
+            raise ForeignListener(errno.ECONNREFUSED, why)
+
+    def refusal(self, local: tuple[Any, ...], port: int, since: float = 0.0) -> str | None:
+        """None when the connection from ``local`` to 127.0.0.1:``port`` is the engine's;
+        else why not, in words for the log."""
+        pid = self.pid()
+        if pid is None:
+            return "the engine is not running"
+        if any(p != pid for p, _ in self.known):
+            self.known.clear()  # a new spawn: its listeners are found afresh
+        at = (str(local[0]), int(local[1]))
+        ours = tcp_connection_is_ours(at, port, pid, self.tree, self.known, since)
+        return None if ours else f"port {port} is answered by {describe_listener(port)}"
+
+
+class CheckedTCPConnector(aiohttp.TCPConnector):
+    """aiohttp's TCP connector, checking each new connection with :class:`EngineOwner`
+    before aiohttp writes a request on it (a refusal is a connect error to aiohttp)."""
+
+    def __init__(self, owner: EngineOwner, port: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._owner = owner
+        self._port = port
+
+    async def _wrap_create_connection(
+        self, *args: Any, req: aiohttp.ClientRequest, **kwargs: Any
+    ) -> tuple[asyncio.Transport, ResponseHandler]:
+        # aiohttp's own step from a connected socket to a transport (no byte written yet);
+        # overriding it is how a connector may look at the connection before use.
+        since = time.monotonic()
+        transport, proto = await super()._wrap_create_connection(*args, req=req, **kwargs)
+        try:
+            self._owner.check(transport, self._port, since)
+        except ForeignListener as exc:
+            raise ClientConnectorError(req.connection_key, exc) from None
+        return transport, proto
+
+
+def tcp_connection_is_ours(
+    local: tuple[str, int],
+    port: int,
+    pid: int,
+    tree: Callable[[int], Iterable[int]],
+    known: dict[tuple[int, int], float] | None = None,
+    since: float = 0.0,
+) -> bool:
+    """Whether our connection from ``local`` (made after ``since``) to 127.0.0.1:``port``
+    reached the engine whose API server is ``pid``.
+
+    The inode :func:`connection_inodes` names must be among the fds of the engine's
+    processes (the API server's, else its tree's). That costs a readlink per fd (ms for
+    an engine with a thousand connections), so the listeners found there go in
+    ``known``, with when: a connection made after that, while they are still all that
+    listens on the port, was queued by them (no other user's socket can listen beside
+    ours, see :func:`connection_inodes`): the engine's, accepted yet or not.
+    """
+    known = {} if known is None else known
+    end, listening = connection_inodes(local[0], local[1], port)
+    if end is None:
+        return False
+    if listening and all(known.get((pid, i), since) < since for i in listening):
+        return True
+    wanted = {end} if end else listening
+    if not wanted:
+        return False
+    held = socket_inodes([pid])
+    if not wanted <= held:
+        held |= socket_inodes(set(tree(pid)) - {pid})
+    now = time.monotonic()
+    for inode in listening & held:
+        known.setdefault((pid, inode), now)
+    return wanted <= held
+
+
+def connection_inodes(
+    local_ip: str, local_port: int, port: int, diag: bool = True, proc_net: str = "/proc/net"
+) -> tuple[int | None, set[int]]:
+    """The inode of our connection's server end (0: not yet accepted; None: no such
+    connection now, or one closed already) and those of the sockets listening on the
+    port where it could have been queued (127.0.0.1, or every address).
+
+    The server end is looked up by its 4-tuple (:mod:`appliance.sockdiag`; /proc/net/tcp
+    where that cannot be used, or ``diag`` is False). One the engine has not yet
+    accept()ed has inode 0 and belongs to no fd: it waits in the queue of a listener on
+    the port, so then every such listener must be the engine's. That is sound without
+    waiting for the accept: a socket of another user cannot listen on a port our
+    listener holds (Linux refuses the bind or the listen, and SO_REUSEPORT sharing needs
+    the same uid and the option on our socket too), and a listener's queue dies with it
+    (its connections are reset, never handed on).
+    """
+    server, client = ("127.0.0.1", port), (local_ip, local_port)
+    if diag:
+        with contextlib.suppress(OSError):
+            found = sockdiag.find(server, client)
+            return _end(found), _diag_listening_inodes(port)
+    found = sockdiag.find_in_proc(server, client, proc_net)
+    return _end(found), sockdiag.listening_inodes(port, proc_net)
+
+
+def _end(found: sockdiag.SockInfo | None) -> int | None:
+    if found is None:
+        return None  # reset already
+    if found.inode == 0 and found.state not in (_ESTABLISHED, _SYN_RECV):
+        return None  # accepted and closed already: not a connection to send on
+    return found.inode
+
+
+def _diag_listening_inodes(port: int) -> set[int]:
+    hosts = {"127.0.0.1", "0.0.0.0", "::", "::ffff:127.0.0.1", "::ffff:0.0.0.0"}
+    return {s.inode for s in sockdiag.listeners(port) if s.local[0] in hosts}

@@ -304,10 +304,11 @@ def client_session(address: EngineAddress | None = None) -> aiohttp.ClientSessio
     """A client session over TCP (the gateway), or one that reaches the engine at
     ``address`` however it listens (a Unix socket: every request goes to that socket)."""
     # limit=0: aiohttp's default of 100 connections would queue streams beyond 100.
+    # A TCP engine is the benchmark's own, measured directly: no owner to check it with.
     connector = (
         aiohttp.TCPConnector(limit=0, force_close=False)
-        if address is None
-        else address.connector(limit=0, force_close=False)
+        if address is None or address.port is not None
+        else address.connector(None, limit=0, force_close=False)
     )
     return aiohttp.ClientSession(
         connector=connector,

@@ -91,6 +91,9 @@ class Admission:
         self._tokens: collections.Counter[int] = collections.Counter()
         self.throttle_level: dict[int, int] = {}  # engine id -> governor level
         self.kv_tripped: dict[int, bool] = {}  # engine id -> breaker open
+        # TCP engines a relay connection found someone else on, until the supervisor's
+        # check (gateway/engine_owners.py).
+        self.unverified: set[int] = set()
         self._interactive: collections.deque[_Waiter] = collections.deque()
         self._batch: collections.deque[_Waiter] = collections.deque()
         self._affinity: collections.OrderedDict[str, int] = collections.OrderedDict()
@@ -121,6 +124,7 @@ class Admission:
                         snap.state is EngineState.READY
                         and level < HARD_LEVEL
                         and not self.kv_tripped.get(snap.id, False)
+                        and snap.id not in self.unverified
                     ),
                     inflight=self._inflight[snap.id],
                     outstanding_tokens=self._tokens[snap.id],

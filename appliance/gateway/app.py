@@ -28,6 +28,7 @@ from appliance.engine import EngineState
 from appliance.errors import ApplianceError
 from appliance.gateway.admin import Admin
 from appliance.gateway.admission import Admission
+from appliance.gateway.engine_owners import EngineOwners
 from appliance.gateway.errors import GatewayError, error_response
 from appliance.gateway.fallback import FallbackRecorder, add_model_header
 from appliance.gateway.keys import (
@@ -82,7 +83,9 @@ class Gateway:
         # Non-streamed requests' engine connections: one client session per engine address
         # (a Unix socket needs a connector of its own), made on first use.
         self._sessions: dict[EngineAddress, aiohttp.ClientSession] = {}
-        self.upstreams = UpstreamPool()  # streamed requests' engine connections
+        # Whose each TCP engine's connections must be (none for Unix sockets).
+        self.owners = EngineOwners(appliance, self.admission)
+        self.upstreams = UpstreamPool(self.owners.owner_of)  # streamed requests' connections
         self.relay = Relay(self)
 
     # ---- GatewayLink (called by the supervisor) ----------------------------------------
@@ -131,9 +134,13 @@ class Gateway:
             # Many concurrent requests: aiohttp's default of 100 connections would queue
             # them. Idle connections are dropped after 2 s, before vLLM's own 5 s close can
             # race a request sent on one (aiohttp does not retry a POST;
-            # upstream_pool.MAX_IDLE_S likewise).
+            # upstream_pool.MAX_IDLE_S likewise). A TCP engine's new connections are
+            # checked to be its own before a request is written on them.
+            connector = address.connector(
+                self.owners.owner_of(address), limit=0, force_close=False, keepalive_timeout=2.0
+            )
             session = aiohttp.ClientSession(
-                connector=address.connector(limit=0, force_close=False, keepalive_timeout=2.0),
+                connector=connector,
                 trust_env=False,
                 auto_decompress=False,
             )

@@ -4,15 +4,19 @@ One idle list per engine address (socket or port), most recently used first; a
 connection goes back only when its answer was read whole (splice.py's
 ``UpstreamConnection.finished``), and one idle too long is closed instead of reused, as
 is one the engine wrote to while it was idle (it closes itself: splice.py's ``_stray``).
+A new connection to a TCP engine is checked to be the engine's before the request is
+written on it (``EngineAddress.connect`` with the engine's owner): once per connection,
+not per request; a Unix socket's needs no check.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+from collections.abc import Callable
 from typing import cast
 
-from appliance.endpoint import EngineAddress
+from appliance.endpoint import EngineAddress, EngineOwner
 from appliance.gateway.http1 import UpstreamError
 from appliance.gateway.splice import UpstreamConnection
 
@@ -27,7 +31,9 @@ CONNECT_TIMEOUT_S = 5.0
 class UpstreamPool:
     """Keep-alive connections to the engines, per engine address (socket or port)."""
 
-    def __init__(self) -> None:
+    def __init__(self, owner_of: Callable[[EngineAddress], EngineOwner | None]) -> None:
+        """``owner_of``: whose processes a TCP engine's connections must reach."""
+        self._owner_of = owner_of
         self._idle: collections.defaultdict[
             EngineAddress, collections.deque[UpstreamConnection]
         ] = collections.defaultdict(collections.deque)
@@ -54,7 +60,7 @@ class UpstreamPool:
             return conn
         try:
             _, protocol = await asyncio.wait_for(
-                address.connect(UpstreamConnection), CONNECT_TIMEOUT_S
+                address.connect(UpstreamConnection, self._owner_of(address)), CONNECT_TIMEOUT_S
             )
             conn = cast(UpstreamConnection, protocol)
         except TimeoutError:

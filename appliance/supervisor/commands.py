@@ -11,12 +11,13 @@ The three Protocols are the runner's seams: the supervisor is its :class:`Runner
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from appliance.config import Config
-from appliance.control import GatewayLink
+from appliance.control import CommandResult, GatewayLink
 from appliance.engine import EngineState, RestartReason
 from appliance.health import Observation
 from appliance.supervisor.coordination import RestartCoordinator
@@ -57,7 +58,47 @@ class Nudge:
     """Look again now: the config was reloaded, or the daemon is stopping."""
 
 
-Command = Drain | Resume | Restart | HeatRestart | Nudge
+@dataclass(frozen=True, slots=True)
+class CheckNow:
+    """The gateway's word: a connection to the engine's TCP port reached someone else's
+    socket. Run the next check (its listener first) now; ``done`` gets its answer."""
+
+    done: asyncio.Future[CommandResult] = field(compare=False)
+
+
+Command = Drain | Resume | Restart | HeatRestart | Nudge | CheckNow
+
+
+WATCHED = frozenset({EngineState.READY, EngineState.SUSPECT, EngineState.DRAINING})
+
+
+class AskedChecks:
+    """The askers (:class:`CheckNow`) waiting for a runner's next check."""
+
+    def __init__(self) -> None:
+        self._waiting: list[asyncio.Future[CommandResult]] = []
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._waiting)
+
+    def add(self, done: asyncio.Future[CommandResult], state: EngineState) -> bool:
+        """Wait for the next check; False (not added) when the engine in ``state`` is not
+        being watched, so no check is coming soon."""
+        if state not in WATCHED:
+            return False
+        self._waiting.append(done)
+        return True
+
+    def take(self) -> list[asyncio.Future[CommandResult]]:
+        """The askers the check starting now answers (later ones wait for the next)."""
+        taken, self._waiting = self._waiting, []
+        return taken
+
+    def answer(self, result: CommandResult, asked: list[asyncio.Future[CommandResult]]) -> None:
+        for done in asked:
+            if not done.done():
+                done.set_result(result)
 
 
 class RunnerHost(Protocol):

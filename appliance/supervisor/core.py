@@ -42,12 +42,12 @@ from appliance.control import (
     NoGateway,
     StartHttp,
 )
-from appliance.engine import EngineState
+from appliance.engine import EngineSpec, EngineState
 from appliance.errors import EXIT_NO_ENGINE, EXIT_OK
 from appliance.plan import EnginePlan
 from appliance.supervisor import stopping
 from appliance.supervisor.boot import SocketDir, gpu_count, make_plan, open_telemetry
-from appliance.supervisor.commands import Drain, Nudge, Restart, Resume
+from appliance.supervisor.commands import CheckNow, Drain, Nudge, Restart, Resume
 from appliance.supervisor.coordination import RestartCoordinator
 from appliance.supervisor.heat import HeatWatch
 from appliance.supervisor.notify import SystemdReporter, status_line
@@ -140,6 +140,11 @@ class Supervisor:
     async def resume(self, engine_id: int) -> CommandResult:
         return await self._runners[engine_id].ask(Resume())
 
+    async def check_listener(self, engine_id: int) -> CommandResult:
+        done: asyncio.Future[CommandResult] = asyncio.get_running_loop().create_future()
+        taken = await self._runners[engine_id].ask(CheckNow(done))
+        return await done if taken.ok else taken
+
     # ---- the runners' host (commands.RunnerHost) --------------------------------------
     @property
     def link(self) -> GatewayLink:
@@ -193,9 +198,7 @@ class Supervisor:
         gpus = gpu_count(self.config)
         self._sockets = SocketDir.make(self.config, self._env)
         self.plan = plan = make_plan(self.config, gpus, self._env, self._home, self._sockets)
-        self._runners = [
-            EngineRunner(spec, self, EngineProcess(spec), HttpProbe(spec)) for spec in plan.specs
-        ]
+        self._runners = [self._runner(spec) for spec in plan.specs]
         log.info("plan: %d %s engine(s): %s", len(self._runners), plan.device, plan.summary())
         if plan.cpu_note:
             log.info("plan: %s", plan.cpu_note)
@@ -204,6 +207,11 @@ class Supervisor:
         return self._heat
 
     # ---- main loop and signals ------------------------------------------------------
+    def _runner(self, spec: EngineSpec) -> EngineRunner:
+        process = EngineProcess(spec)
+        # The probe reaches a TCP engine only on connections checked to be its tree's.
+        return EngineRunner(spec, self, process, HttpProbe(spec, lambda: process.pid))
+
     async def _main_loop(self) -> None:
         tick_s = self._reporter.tick_interval(TICK_S)
         while True:

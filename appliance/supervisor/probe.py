@@ -1,26 +1,37 @@
 """How a runner asks its engine how it is: health checks and KV reads over HTTP.
 
 One client session per engine, whose connector reaches that engine's address only (a
-Unix socket needs a connector of its own); the checks themselves are in
+Unix socket needs a connector of its own). Over TCP the connector is the same checked
+one the gateway's relay uses (:meth:`appliance.endpoint.EngineAddress.connector`): each
+new connection must reach a socket of the engine's own process tree before the probe
+writes its request (and the engine key) on it. The checks themselves are in
 :mod:`appliance.health`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import aiohttp
 
+from appliance import proctree
+from appliance.endpoint import EngineOwner
 from appliance.engine import EngineSpec
 from appliance.health import Observation, observe, read_kv_usage
 
 
 class HttpProbe:
-    def __init__(self, spec: EngineSpec) -> None:
+    def __init__(self, spec: EngineSpec, pid: Callable[[], int | None]) -> None:
+        """``pid``: the engine's API server now (None: not running)."""
         self._spec = spec
+        # A refused connection is a failed check; the listener check before each one
+        # (watch.py) names who holds the port.
+        self._owner = EngineOwner(pid=pid, tree=proctree.tree_pids)
         self._session: aiohttp.ClientSession | None = None
 
     def open(self) -> None:
         self._session = aiohttp.ClientSession(
-            connector=self._spec.address.connector(limit=0), trust_env=False
+            connector=self._spec.address.connector(self._owner, limit=0), trust_env=False
         )
 
     async def close(self) -> None:

@@ -194,7 +194,8 @@ class EngineProcess:
         A Unix socket in our private directory can only be the engine's. A TCP port can
         be bound by any local process while the engine is still importing, so the
         listener's socket must be one the engine's own processes hold. True: ours;
-        None: nobody listens yet; False: someone else does (logged; never sent a key).
+        None: nobody listens yet; False: someone else does (logged; this check sent it
+        nothing, and no connection of ours writes to it: each is checked on its own).
         """
         port = self.spec.address.port
         if port is None:
@@ -205,10 +206,14 @@ class EngineProcess:
         ours = await asyncio.to_thread(endpoint.tcp_listener_is_ours, port, pids)
         if ours is False:
             who = await asyncio.to_thread(endpoint.describe_listener, port)
+            # Only what is true here: this check wrote nothing, and the probe and the
+            # relay write only on connections checked to be the engine's (the gateway
+            # logs any it refused). What reached the port before is not ours to know.
             log.error(
-                "%s: port %d is held by %s, not by the engine's own processes: nothing "
-                "was sent to it and the engine is not used; stop that process or use "
-                'engine.listen = "unix"',
+                "%s: port %d is held by %s, not by the engine's own processes; the "
+                "engine is not used. This check sent it nothing, and connections that "
+                "reach it are closed unsent (the gateway logs each engine it refused); "
+                'stop that process or use engine.listen = "unix"',
                 self.spec.name,
                 port,
                 who,

@@ -38,6 +38,8 @@ from appliance.errors import IllegalTransition
 from appliance.health import Verdict
 from appliance.supervisor.budget import PLANNED_REASONS, RestartBook
 from appliance.supervisor.commands import (
+    AskedChecks,
+    CheckNow,
     Command,
     Drain,
     HeatRestart,
@@ -88,6 +90,7 @@ class EngineRunner:
         self._task: asyncio.Task[Any] | None = None  # the one task allowed to change state
         self._state = EngineState.EXITED  # where it is in its life
         self._ready_since: float | None = None
+        self._asked = AskedChecks()  # the gateway's CheckNow askers, for the next check
 
     # ---- what others may read and ask -----------------------------------------------
     @property
@@ -149,6 +152,10 @@ class EngineRunner:
                     self._inbox.wake()
             case Nudge():
                 self._inbox.wake()
+            case CheckNow(done=done):
+                if not self._asked.add(done, self._state):
+                    return self._answer(False, f"engine {self.id} is {self._state.value}")
+                self._inbox.wake()  # the check that starts next answers it
         return self._answer(True)
 
     def _drain(self, force: bool) -> CommandResult:
@@ -280,7 +287,7 @@ class EngineRunner:
                     return None
                 if self._plan.requested is not None and (reason := await self._planned()):
                     return reason
-                if time.monotonic() < next_check:
+                if time.monotonic() < next_check and not self._asked.pending:
                     if kv_poll and not woken:
                         usage = await self._health.kv_usage()
                         self._host.link.observe_kv(self.id, usage)
@@ -290,6 +297,7 @@ class EngineRunner:
                     return reason
         finally:
             exited.cancel()
+            self._asked.answer(self._answer(False, "it is going down"), self._asked.take())
 
     async def _planned(self) -> RestartReason | None:
         """The restart asked for, once the coordinator lets this engine go (drained
@@ -317,9 +325,12 @@ class EngineRunner:
         ):
             self._book.consecutive_failures = 0
         health = self._host.config.health
+        asked = self._asked.take()
         out = await self._health.check(self._ready_since)
+        down = out.verdict is None  # its listener is lost, or it exited
+        self._asked.answer(self._answer(not down, "it is going down" if down else ""), asked)
         if out.listener_lost:
-            return RestartReason.CRASH  # named in the log; nothing was sent to it
+            return RestartReason.CRASH  # named in the log, and no check was sent to it
         if out.verdict is None or out.observation is None:
             return None  # it exited: the watch sees that at the top
         self._host.link.observe_kv(self.id, out.observation.kv_cache_usage)

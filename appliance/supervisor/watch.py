@@ -103,7 +103,7 @@ class HealthWatch:
     async def check(self, ready_since: float | None) -> Outcome:
         """One health pass of a running engine."""
         if await self._inbox.busy(self._process.listener_is_ours()) is not True:
-            return Outcome(None, listener_lost=True)  # named in the log; nothing was sent
+            return Outcome(None, listener_lost=True)  # named in the log; no probe sent
         obs = await self._observe()
         if self._process.returncode is not None:
             return Outcome(None, obs)  # it crashed, it did not hang: the watch sees the exit

@@ -19,12 +19,12 @@ from typing import Any
 import pytest
 
 from appliance.config import Config, parse_config
-from appliance.control import NoGateway
+from appliance.control import CommandResult, NoGateway
 from appliance.endpoint import EngineAddress
 from appliance.engine import EngineSpec, EngineState
 from appliance.errors import IllegalTransition
 from appliance.health import Observation
-from appliance.supervisor.commands import Drain, Nudge, Restart, Resume
+from appliance.supervisor.commands import CheckNow, Drain, Nudge, Restart, Resume
 from appliance.supervisor.coordination import RestartCoordinator
 from appliance.supervisor.heat import HeatWatch
 from appliance.supervisor.runner import UNRESPONSIVE_GRACE_S, EngineRunner
@@ -83,6 +83,8 @@ class FakeProcess:
         self.kills: list[float] = []  # the grace each kill gave
         self.exits: list[str] = []
         self._exit: asyncio.Future[int] | None = None
+        self.listener: bool | None = True  # who listens where it should: ours
+        self.listener_checks = 0
 
     @property
     def returncode(self) -> int | None:
@@ -133,7 +135,8 @@ class FakeProcess:
         return None
 
     async def listener_is_ours(self) -> bool | None:
-        return True
+        self.listener_checks += 1
+        return self.listener
 
     async def remember_tree(self) -> None:
         pass
@@ -369,3 +372,43 @@ async def test_sustained_heat_restarts_it_with_half_the_batched_tokens() -> None
         await until(lambda: proc.spawns == 3 and runner.state is S.READY, "restored")
         assert proc.batched == [None, 4096, None]
         assert runner.status().restarts_by_reason == {"heat": 2}
+
+
+# ---- the gateway's word: a connection to its TCP port was someone else's ----------------
+async def check_listener(runner: EngineRunner) -> CommandResult:
+    """As ``Supervisor.check_listener`` asks: the answer comes once the check is done."""
+    done: asyncio.Future[CommandResult] = asyncio.get_running_loop().create_future()
+    taken = await runner.ask(CheckNow(done))
+    return await asyncio.wait_for(done, 5) if taken.ok else taken
+
+
+async def test_a_check_asked_for_runs_at_once_and_answers_when_done() -> None:
+    """Health checks every 10 minutes: the gateway's ask is not left until then."""
+    async with running(health={"interval_s": 600}) as e:
+        runner, proc = e.runners[0], e.procs[0]
+        before = proc.listener_checks
+        result = await asyncio.wait_for(check_listener(runner), 5)
+        assert (result.ok, result.state) == (True, S.READY)
+        assert proc.listener_checks == before + 1
+
+
+async def test_a_check_that_finds_someone_else_listening_replaces_the_engine() -> None:
+    async with running(health={"interval_s": 600}) as e:
+        runner, proc = e.runners[0], e.procs[0]
+        proc.listener = False
+        result = await asyncio.wait_for(check_listener(runner), 5)
+        assert not result.ok and result.message == "it is going down"
+        assert runner.state is not S.READY  # out of service before the asker hears
+        await until(lambda: proc.kills != [], "the engine's tree killed")
+        # Not READY again while the port is someone else's.
+        assert S.STOPPING in e.states()
+
+
+async def test_a_drained_engine_is_checked_and_a_stopped_one_answers_at_once() -> None:
+    async with running(health={"interval_s": 600}) as e:
+        runner = e.runners[0]
+        assert (await runner.ask(Drain(force=True))).ok
+        drained = await asyncio.wait_for(check_listener(runner), 5)
+        assert drained.ok  # a drained engine is still watched: its check ran
+    stopped = await asyncio.wait_for(check_listener(runner), 1)
+    assert not stopped.ok and "stopping" in stopped.message

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import os
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -112,6 +113,9 @@ class FakeAppliance:
     async def resume(self, engine_id: int) -> CommandResult:
         return await self._command("resume", engine_id)
 
+    async def check_listener(self, engine_id: int) -> CommandResult:
+        return await self._command("check_listener", engine_id)
+
 
 def public(cls: type) -> set[str]:
     return {n for n in vars(cls) if not n.startswith("_")}
@@ -172,8 +176,18 @@ async def box(tmp_path: Path) -> AsyncIterator[Box]:
         }
     )
     async with fake_engine() as (e0, port0), fake_engine() as (e1, port1):
+        # The fake engines run in this process: their sockets are its own.
         statuses = [
-            EngineStatus(i, None, EngineAddress(port=p), READY, ENGINE_KEY, MODEL, model=MODEL)
+            EngineStatus(
+                i,
+                None,
+                EngineAddress(port=p),
+                READY,
+                ENGINE_KEY,
+                MODEL,
+                model=MODEL,
+                pid=os.getpid(),
+            )
             for i, p in enumerate((port0, port1))
         ]
         appliance = FakeAppliance(config, statuses)

@@ -23,13 +23,14 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from appliance.config import Config, EngineConfig
-from appliance.endpoint import EngineAddress
+from appliance.endpoint import EngineAddress, EngineOwner
 from appliance.gateway import upstream_pool
 from appliance.gateway.errors import GatewayError
 from appliance.gateway.http1 import UpstreamError
 from appliance.gateway.proxy import Relay
 from appliance.gateway.splice import UpstreamConnection
 from appliance.gateway.upstream_pool import UpstreamPool
+from tests.fakes.owners import in_process
 
 # The handler stores the caller's key record under a plain string, as the gateway's
 # middleware does (appliance/gateway/app.py), which aiohttp warns about.
@@ -67,7 +68,7 @@ class FakeGateway:
         self.ratelimiter = SimpleNamespace(check=lambda *_: None)
         self.metrics = mock.MagicMock()  # counted elsewhere; not what is tested here
         self.usage = mock.MagicMock()  # likewise (test_usage_store, test_key_usage)
-        self.upstreams = UpstreamPool()
+        self.upstreams = UpstreamPool(in_process)
         self._session = session
         self._sessions: list[aiohttp.ClientSession] = []
 
@@ -77,7 +78,7 @@ class FakeGateway:
     def session_for(self, address: EngineAddress) -> Any:
         if self._session is not None:
             return self._session
-        session = aiohttp.ClientSession(connector=address.connector())
+        session = aiohttp.ClientSession(connector=address.connector(in_process(address)))
         self._sessions.append(session)
         return session
 
@@ -123,7 +124,7 @@ class SilentAddress(EngineAddress):
     """An engine address whose connect never completes (a SYN nobody answers)."""
 
     async def connect(
-        self, factory: Callable[[], asyncio.Protocol]
+        self, factory: Callable[[], asyncio.Protocol], owner: EngineOwner | None
     ) -> tuple[asyncio.BaseTransport, asyncio.Protocol]:
         await asyncio.Event().wait()
         raise AssertionError("unreachable")
@@ -224,10 +225,10 @@ async def test_an_abandoned_engine_is_502_even_when_the_why_says_timeout(stream:
 async def test_the_pool_says_a_connect_timeout_timed_out(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(upstream_pool, "CONNECT_TIMEOUT_S", 0.05)
     with pytest.raises(UpstreamError, match="timeout connecting to the engine") as timed:
-        await UpstreamPool().acquire(SilentAddress(port=9))
+        await UpstreamPool(in_process).acquire(SilentAddress(port=9))
     assert timed.value.timed_out
     with pytest.raises(UpstreamError, match="cannot connect to the engine") as refused:
-        await UpstreamPool().acquire(EngineAddress(port=refused_port()))
+        await UpstreamPool(in_process).acquire(EngineAddress(port=refused_port()))
     assert not refused.value.timed_out
 
 
@@ -239,7 +240,7 @@ async def test_a_connection_lost_mid_answer_says_whether_it_timed_out(
     lost: OSError, timed_out: bool
 ) -> None:
     async with engine(None) as (address, _):
-        conn = await UpstreamPool().acquire(address)
+        conn = await UpstreamPool(in_process).acquire(address)
         head = conn.send(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")
         conn.connection_lost(lost)  # what asyncio reports when the kernel gives up
         with pytest.raises(UpstreamError) as err:

@@ -29,6 +29,7 @@ from appliance.gateway.http1 import (
     scan_chunks,
 )
 from appliance.gateway.upstream_pool import UpstreamPool
+from tests.fakes.owners import in_process
 
 OK_HEAD = (
     b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
@@ -153,7 +154,7 @@ def req(port: int) -> bytes:
 
 async def streaming(eng: ScriptedEngine) -> splice.UpstreamConnection:
     """A connection whose stream has begun: head read, first whole chunk here."""
-    conn = await UpstreamPool().acquire(EngineAddress(port=eng.port))
+    conn = await UpstreamPool(in_process).acquire(EngineAddress(port=eng.port))
     await conn.send(req(eng.port))
     await conn.wait_first_chunk()
     return conn
@@ -195,7 +196,7 @@ async def test_a_stream_is_spliced_whole_chunks_only_and_the_connection_reused()
     wire = OK_HEAD + b"".join(events) + b"0\r\n\r\n"
     pieces: list[bytes | None] = [wire[:30], wire[30:75], wire[75:76], wire[76:]]
     async with engine([pieces, [OK_HEAD, chunk(b"again"), b"0\r\n\r\n"]]) as eng:
-        pool = UpstreamPool()
+        pool = UpstreamPool(in_process)
         conn = await pool.acquire(EngineAddress(port=eng.port))
         head = await conn.send(req(eng.port))
         assert head.status == 200 and head.chunked
@@ -225,7 +226,7 @@ async def test_an_engine_on_a_unix_socket_is_spliced_and_its_connection_reused(
     )
     server = await asyncio.start_unix_server(eng.handle, path)
     address = EngineAddress(uds=path)
-    pool = UpstreamPool()
+    pool = UpstreamPool(in_process)
     try:
         conn = await pool.acquire(address)
         head = await conn.send(request_bytes("/v1/completions", address.host, {}, b"{}"))
@@ -245,12 +246,12 @@ async def test_an_engine_on_a_unix_socket_is_spliced_and_its_connection_reused(
 
 async def test_a_missing_engine_socket_is_an_upstream_error(tmp_path: Path) -> None:
     with pytest.raises(UpstreamError, match="cannot connect to the engine"):
-        await UpstreamPool().acquire(EngineAddress(uds=str(tmp_path / "gone.sock")))
+        await UpstreamPool(in_process).acquire(EngineAddress(uds=str(tmp_path / "gone.sock")))
 
 
 async def test_engine_dying_mid_stream_is_an_error_after_whole_chunks() -> None:
     async with engine([[OK_HEAD, chunk(b"data: 1\n\n"), b"9\r\ndata:", None]]) as eng:
-        pool = UpstreamPool()
+        pool = UpstreamPool(in_process)
         conn = await pool.acquire(EngineAddress(port=eng.port))
         await conn.send(req(eng.port))
         await conn.wait_first_chunk()
@@ -267,12 +268,12 @@ async def test_engine_dying_mid_stream_is_an_error_after_whole_chunks() -> None:
 
 async def test_failure_before_the_first_chunk_is_raised_before_anything_is_sent() -> None:
     async with engine([[OK_HEAD, None]]) as eng:
-        conn = await UpstreamPool().acquire(EngineAddress(port=eng.port))
+        conn = await UpstreamPool(in_process).acquire(EngineAddress(port=eng.port))
         await conn.send(req(eng.port))
         with pytest.raises(UpstreamError):
             await conn.wait_first_chunk()
     async with engine([[b"HTTP/1.1 200 OK\r\nContent-Le", None]]) as eng:
-        conn = await UpstreamPool().acquire(EngineAddress(port=eng.port))
+        conn = await UpstreamPool(in_process).acquire(EngineAddress(port=eng.port))
         with pytest.raises(UpstreamError, match="closed the connection"):
             await conn.send(req(eng.port))
 
@@ -292,7 +293,7 @@ async def test_failure_before_the_first_chunk_is_raised_before_anything_is_sent(
 )
 async def test_a_non_streamed_answer_is_read_whole(answer: list[bytes | None]) -> None:
     async with engine([answer]) as eng:
-        conn = await UpstreamPool().acquire(EngineAddress(port=eng.port))
+        conn = await UpstreamPool(in_process).acquire(EngineAddress(port=eng.port))
         head = await conn.send(req(eng.port))
         assert head.status == 400
         body = await conn.read_body()
@@ -306,7 +307,7 @@ async def test_bad_http_from_the_engine_is_an_error_not_a_crash() -> None:
         [b"HTTP/1.1 200 OK\r\n" + b"X: " + b"a" * (splice.MAX_HEAD_BYTES + 10)],
     ):
         async with engine([list(answer)]) as eng:
-            conn = await UpstreamPool().acquire(EngineAddress(port=eng.port))
+            conn = await UpstreamPool(in_process).acquire(EngineAddress(port=eng.port))
             with pytest.raises(UpstreamError):
                 await conn.send(req(eng.port))
                 await conn.wait_first_chunk()
@@ -354,7 +355,7 @@ async def test_a_connection_idle_too_long_is_not_reused(monkeypatch: pytest.Monk
     monkeypatch.setattr(upstream_pool, "MAX_IDLE_S", 0.1)
     answer: list[bytes | None] = [b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"]
     async with engine([list(answer), list(answer), list(answer)]) as eng:
-        pool = UpstreamPool()
+        pool = UpstreamPool(in_process)
         first = await pool.acquire(EngineAddress(port=eng.port))
         await first.send(req(eng.port))
         assert await first.read_body() == b"ok"
