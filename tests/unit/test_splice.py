@@ -455,7 +455,7 @@ async def test_a_huge_chunk_mid_stream_fails_it_at_once_and_closes_the_engine() 
 async def test_a_huge_first_chunk_fails_before_anything_reaches_the_client() -> None:
     huge = b"%x\r\n" % (200 * 2**20) + b"x" * 100_000
     async with engine([[OK_HEAD, huge]]) as eng:
-        conn = await UpstreamPool().acquire(EngineAddress(port=eng.port))
+        conn = await UpstreamPool(in_process).acquire(EngineAddress(port=eng.port))
         await conn.send(req(eng.port))
         with pytest.raises(UpstreamError, match=f"more than {MAX_CHUNK_BYTES}"):
             await asyncio.wait_for(conn.wait_first_chunk(), 2)
@@ -465,7 +465,7 @@ async def test_a_huge_first_chunk_fails_before_anything_reaches_the_client() -> 
 async def test_a_non_streamed_chunk_over_the_answer_limit_is_too_large_at_its_size_line() -> None:
     head = b"HTTP/1.1 400 Bad Request\r\nTransfer-Encoding: chunked\r\n\r\n"
     async with engine([[head, chunk(b"ab"), b"%x\r\n" % 5000 + b"x" * 100]]) as eng:
-        conn = await UpstreamPool().acquire(EngineAddress(port=eng.port))
+        conn = await UpstreamPool(in_process).acquire(EngineAddress(port=eng.port))
         await conn.send(req(eng.port))
         with pytest.raises(AnswerTooLarge):
             await asyncio.wait_for(conn.read_body(limit=1000), 2)
@@ -492,7 +492,7 @@ async def test_a_connection_the_engine_writes_to_while_idle_is_not_reused() -> N
     first: list[bytes | None] = [OK_HEAD, chunk(b"data: 1\n\n"), b"0\r\n\r\n", PLANTED]
     own: list[bytes | None] = [OK_HEAD, chunk(b"data: own\n\n"), b"0\r\n\r\n"]
     async with engine([first, own]) as eng:
-        pool = UpstreamPool()
+        pool = UpstreamPool(in_process)
         address = EngineAddress(port=eng.port)
         conn = await pool.acquire(address)
         await conn.send(req(eng.port))
@@ -520,7 +520,7 @@ async def test_bytes_beyond_an_answer_in_the_read_that_ends_it_make_it_unusable(
     answer: list[bytes | None],
 ) -> None:
     async with engine([answer]) as eng:
-        pool = UpstreamPool()
+        pool = UpstreamPool(in_process)
         address = EngineAddress(port=eng.port)
         conn = await pool.acquire(address)
         await conn.send(req(eng.port))
@@ -539,7 +539,7 @@ async def test_bytes_before_any_request_make_a_connection_unusable() -> None:
     )
     port = server.sockets[0].getsockname()[1]
     try:
-        conn = await UpstreamPool().acquire(EngineAddress(port=port))
+        conn = await UpstreamPool(in_process).acquire(EngineAddress(port=port))
         assert conn.transport is not None
         transport = conn.transport
         await until(transport.is_closing, "the connection is closed")
