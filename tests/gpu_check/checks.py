@@ -205,5 +205,15 @@ def doctor(ctx: Ctx) -> Line:
             )
         names.append(f"gpu{s.index} {line.get('data', {}).get('name')}")
     driver = nv.get("data", {}).get("driver_version")
+    foreign = [
+        p for s in ctx.before for p in _data(checks, f"gpu{s.index}").get("foreign_processes", [])
+    ]
     detail = "; ".join(bad) or f"driver {driver}, " + ", ".join(names)
-    return Line("doctor", not bad, detail, {"driver_version": driver, "gpus": names})
+    detail += f"; processes it took for strangers': {foreign}" if foreign else ""
+    figures = {"driver_version": driver, "gpus": names, "foreign_processes": foreign}
+    return Line("doctor", not bad, detail, figures)
+
+
+def _data(checks: dict[str, Any], name: str) -> dict[str, Any]:
+    data: dict[str, Any] = checks.get(name, {}).get("data") or {}
+    return data

@@ -56,6 +56,10 @@ def base_config(
                 str(share),
             ],
             "env": engine_env,
+            # What `doctor` expects free on each GPU at an engine's start. Where NVML
+            # lists our engines under PIDs this namespace cannot see (a container), it
+            # takes their memory for a stranger's: 0.5 leaves room for that.
+            "gpu_memory_utilization": 0.5,
             # torch's import and CUDA's start take a while on a cold box.
             "startup_timeout_s": 180,
             "stop_timeout_s": 10,

@@ -3,6 +3,7 @@ that change what runs (never the GPU's own settings)."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import signal
@@ -159,10 +160,12 @@ def ours_alive(ctx: Ctx, run_id: str) -> list[str]:
     for proc in psutil.process_iter(["pid", "name"]):
         try:
             marked = proc.environ().get("GPU_CHECK_RUN") == run_id
-        except psutil.Error:
+        except psutil.Error:  # another user's process, or gone: not ours
             marked = False
-        if (marked or proc.pid in ctx.daemon.pids_seen) and proc.status() != psutil.STATUS_ZOMBIE:
-            left.append(f"{proc.info['name']} ({proc.pid})")
+        with contextlib.suppress(psutil.Error):
+            ours = marked or proc.pid in ctx.daemon.pids_seen
+            if ours and proc.status() != psutil.STATUS_ZOMBIE:
+                left.append(f"{proc.info['name']} ({proc.pid})")
     return left
 
 
