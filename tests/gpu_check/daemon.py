@@ -150,9 +150,9 @@ class Daemon:
         last = ""
         while True:
             if self.proc is not None and self.proc.poll() is not None:
-                raise CheckFailed(
-                    f"the daemon exited ({self.proc.returncode}) while waiting for {what}:\n"
-                    + self.log_tail()
+                raise CheckFailed(  # one line: the log's end (all of it is in daemon.log)
+                    f"the daemon exited ({self.proc.returncode}) while waiting for {what}: "
+                    + " | ".join(self.log_tail(4).splitlines())
                 )
             try:
                 got = probe()

@@ -81,7 +81,7 @@ def _run_check(report: Report, name: str, fn: Callable[[], Line]) -> None:
     report.add(line)
 
 
-def _checks(report: Report, ctx: Ctx, run_id: str) -> None:
+def _checks(report: Report, ctx: Ctx) -> None:
     engines = ctx.daemon.wait_for(ctx.daemon.engines_ready, 240, "every engine READY")
     report.say(f"  daemon up, {len(engines)} engine(s) READY (log: {ctx.daemon.log_path})")
     _run_check(report, "placement", lambda: checks.placement(ctx, engines))
@@ -123,11 +123,12 @@ def run(out: Path, python: str) -> Report:
         ctx = Ctx(daemon, view, SHARE, before, fake_dir, release_s, warm_s)
         try:
             daemon.start()
-            _checks(report, ctx, run_id)
-        except CheckFailed as exc:  # the daemon never came up: every check fails with it
+            _checks(report, ctx)
+        except Exception as exc:  # the daemon never came up: the checks left fail with it
+            why = str(exc) if isinstance(exc, CheckFailed) else f"{type(exc).__name__}: {exc}"
             for name in CHECKS[: len(CHECKS) - 1]:
                 if name not in {line.name for line in report.lines}:
-                    report.add(Line(name, False, str(exc)))
+                    report.add(Line(name, False, why))
         finally:
             _run_check(report, "cleanup", lambda: lifecycle.cleanup(ctx, run_id))
             with contextlib.suppress(OSError):
