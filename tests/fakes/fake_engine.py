@@ -123,14 +123,17 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     # SPEC_DRAFT_TOKENS tokens of which SPEC_ACCEPTED_TOKENS were accepted.
     p.add_argument("--fake-spec-decode", action="store_true")
     p.add_argument("--shutdown-timeout", type=float, default=5.0)
+    # GPU mode, for scripts/gpu-check: see "GPU mode" below.
+    p.add_argument("--gpu-share", type=float, default=0.0, metavar="FRACTION")
     return p.parse_known_args(argv)
 
 
 # --------------------------------------------------------------------------- child
 
 
-def child_main() -> None:
-    """Imitates VLLM::EngineCore: same process group, sleeps until SIGTERM."""
+def child_main(gpu_share: float = 0.0) -> None:
+    """Imitates VLLM::EngineCore: same process group, sleeps until SIGTERM (with
+    ``--gpu-share``, holding GPU memory: :func:`gpu_hold`)."""
     title = "VLLM::EngineCore"
     try:
         import setproctitle  # type: ignore[import-not-found]
@@ -143,13 +146,98 @@ def child_main() -> None:
             libc = ctypes.CDLL(None)
             libc.prctl(15, title.encode()[:15], 0, 0, 0)  # PR_SET_NAME: /proc/pid/comm
 
+    parent = os.getppid()
+
     def _bye(signum: int, frame: Any) -> None:
+        if gpu_share > 0 and os.getppid() != parent:
+            time.sleep(GPU_ORPHAN_STOP_DELAY_S)  # orphaned: slow to obey, as EngineCore is
         os._exit(0)
 
     signal.signal(signal.SIGTERM, _bye)
     signal.signal(signal.SIGINT, _bye)
+    if gpu_share > 0:
+        gpu_hold(gpu_share)
     while True:
         signal.pause()
+
+
+# --------------------------------------------------------------------------- GPU mode
+# ``--gpu-share FRACTION`` (scripts/gpu-check): the engine stands in for vLLM on a GPU.
+# Its child (the fake EngineCore) takes FRACTION of its GPU's memory, as vLLM's KV cache
+# does, and the API server runs one matmul per generated token, so NVML's memory, power
+# and temperature really move. With torch and CUDA that is a real allocation and real
+# work on the GPU CUDA_VISIBLE_DEVICES names. Without a GPU (GPU_CHECK_FAKE_NVML set to
+# the check's fake NVML directory) the child only records, for the fake pynvml, which GPU
+# it "holds" and how much; nothing else is done. The API server listens only once the
+# memory is held, as vLLM does once its model is loaded.
+
+GPU_FAKE_DIR_ENV = "GPU_CHECK_FAKE_NVML"
+GPU_READY_FD_ENV = "FAKE_ENGINE_GPU_READY_FD"
+GPU_ORPHAN_STOP_DELAY_S = 5.0  # orphaned EngineCore obeys SIGTERM late (vllm#55510)
+GPU_MATMUL_N = 8192  # one bf16 8192x8192 matmul per token: about 1 ms on an H100
+
+
+def _cuda_torch() -> Any | None:
+    """torch when it sees a CUDA device and no fake NVML is in use; else None."""
+    if os.environ.get(GPU_FAKE_DIR_ENV):
+        return None
+    try:
+        import torch  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    return torch if torch.cuda.is_available() else None
+
+
+def gpu_hold(share: float) -> None:
+    """Take ``share`` of this GPU's memory for the life of the process, then say so on
+    the fd the API server waits on. Held memory lives in a module global."""
+    torch = _cuda_torch()
+    fake_dir = os.environ.get(GPU_FAKE_DIR_ENV)
+    gpu = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0]
+    if torch is not None:
+        _free, total = torch.cuda.mem_get_info()
+        _HELD.append(torch.empty(int(total * share), dtype=torch.uint8, device="cuda"))
+        log(f"GPU {gpu}: holding {int(total * share)} bytes ({share:.0%} of {total})")
+    elif fake_dir:
+        record = {"pid": os.getpid(), "gpu": int(gpu), "share": share}
+        procs = os.path.join(fake_dir, "procs")
+        os.makedirs(procs, exist_ok=True)
+        tmp = os.path.join(procs, f".{os.getpid()}.tmp")
+        with open(tmp, "w") as f:
+            json.dump(record, f)
+        os.replace(tmp, os.path.join(procs, f"{os.getpid()}.json"))
+        log(f"fake GPU {gpu}: holding {share:.0%} of its memory")
+    else:
+        log("--gpu-share: no CUDA device and no fake NVML: holding nothing")
+    fd = os.environ.get(GPU_READY_FD_ENV)
+    if fd:
+        os.write(int(fd), b"1")
+        os.close(int(fd))
+
+
+_HELD: list[Any] = []
+
+
+class GpuWork:
+    """One matmul per generated token on the engine's GPU (torch and CUDA only)."""
+
+    def __init__(self, torch: Any) -> None:
+        self.torch = torch
+        shape = (GPU_MATMUL_N, GPU_MATMUL_N)
+        self.a = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+        self.b = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+
+    @classmethod
+    def start(cls, share: float) -> GpuWork | None:
+        torch = _cuda_torch() if share > 0 else None
+        return None if torch is None else cls(torch)
+
+    def _step(self) -> None:
+        self.torch.matmul(self.a, self.b)
+        self.torch.cuda.synchronize()
+
+    async def step(self) -> None:
+        await asyncio.to_thread(self._step)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -312,6 +400,7 @@ class FakeEngine:
         self.api_key_hashes = [hashlib.sha256(k.encode()).digest() for k in keys]
         self.created = int(time.time())
         self.child: subprocess.Popen[bytes] | None = None
+        self.gpu_ready_fd = -1  # --gpu-share: the child writes b"1" here once it holds
         # knobs
         self.hang = bool(args.hang)
         self.unhung = asyncio.Event()
@@ -328,6 +417,7 @@ class FakeEngine:
         self.slots = asyncio.Semaphore(max(1, args.max_num_seqs))
         self.faults = dict.fromkeys(STREAM_FAULTS, False)
         self.misframing = Misframing()
+        self.gpu_work = GpuWork.start(args.gpu_share)
         self.reset_stats()
 
     def reset_stats(self) -> None:
@@ -817,6 +907,8 @@ class FakeEngine:
                 if delay > 0:
                     await asyncio.sleep(delay / 1000)
                 await self.unhung.wait()
+                if self.gpu_work is not None:
+                    await self.gpu_work.step()
                 if t == 0:
                     self.ttft.observe(time.monotonic() - start)
                     if resp is not None and kind == "chat":
@@ -969,11 +1061,26 @@ class FakeEngine:
     # ------------------------------------------------------------------ lifecycle
 
     def spawn_child(self) -> None:
-        self.child = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), "--child-mode"],
-            stdin=subprocess.DEVNULL,
-        )
+        argv = [sys.executable, os.path.abspath(__file__), "--child-mode"]
+        share = self.args.gpu_share
+        if share <= 0:
+            self.child = subprocess.Popen(argv, stdin=subprocess.DEVNULL)
+        else:
+            ready, w = os.pipe()
+            env = {**os.environ, GPU_READY_FD_ENV: str(w)}
+            argv += ["--gpu-share", str(share)]
+            self.child = subprocess.Popen(argv, stdin=subprocess.DEVNULL, pass_fds=(w,), env=env)
+            os.close(w)
+            self.gpu_ready_fd = ready
         log(f"Started engine core process (fake VLLM::EngineCore) pid={self.child.pid}")
+
+    async def gpu_held(self) -> bool:
+        """--gpu-share: whether the child holds its memory (False: it died first)."""
+        fd = self.gpu_ready_fd
+        try:
+            return await asyncio.to_thread(os.read, fd, 1) == b"1"
+        finally:
+            os.close(fd)
 
     def stop_child(self) -> None:
         if self.child is None or self.child.poll() is not None:
@@ -998,9 +1105,12 @@ async def serve(args: argparse.Namespace, unknown: list[str]) -> int:
     log(f"vLLM API server version {VERSION}")
     shown = {k: ("<redacted>" if k == "api_key" and v else v) for k, v in vars(args).items()}
     log(f"non-default args: {shown}; ignored: {unknown}")
-    if args.spawn_child:
+    if args.spawn_child or args.gpu_share > 0:
         engine.spawn_child()
     try:
+        if args.gpu_share > 0 and not await engine.gpu_held():
+            log("ERROR: the engine core could not take its GPU memory")
+            return 1
         if args.startup_delay > 0:
             log(f"Loading model weights (fake, {args.startup_delay}s) ...")
             with contextlib.suppress(TimeoutError):
@@ -1054,7 +1164,7 @@ async def serve(args: argparse.Namespace, unknown: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     args, unknown = parse_args(sys.argv[1:] if argv is None else argv)
     if args.child_mode:
-        child_main()
+        child_main(args.gpu_share)
         return 0
     if args.exit_immediately is not None:
         print(

@@ -1,0 +1,5 @@
+import sys
+
+from tests.gpu_check.main import main
+
+sys.exit(main())
