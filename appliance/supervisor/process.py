@@ -17,8 +17,9 @@ import os
 import re
 import signal
 import sys
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from appliance import endpoint, proctree
 from appliance.engine import EngineSpec, new_api_key, with_batched_tokens
@@ -31,12 +32,31 @@ PORT_FREE_WAIT_S = 30.0
 OUTPUT_TAIL_LINES = 30
 GPU_MEMORY_FREE_SHARE = 0.1  # below this share of a GPU's memory in use, it counts as free
 
+# What an engine's API server gets when the supervisor dies, however it dies. SIGTERM,
+# not SIGKILL: vLLM 0.32's EngineCore has no parent watch of its own (no prctl, getppid
+# or death pipe in vllm/v1/engine/; only workers watch EngineCore, through the death pipe
+# of vllm/v1/executor/multiproc_executor.py:726-760 and :834-856), so the API server must
+# live long enough to end it. On SIGTERM it does: entrypoints/launchers/launcher.py:251-279
+# stops the engine client with vllm_config.shutdown_timeout (0 by default, config/vllm.py:
+# 443: abort), whose process manager (v1/engine/utils.py:335-348 -> v1/utils.py:605-658)
+# terminates EngineCore and at once kill_process_tree()s it (SIGKILL, children first).
+# During start-up, api_server/entry.py:169-174 turns SIGTERM into KeyboardInterrupt, which
+# unwinds the same context managers. Whatever still outlives it is swept at next start.
+ENGINE_PARENT_DEATH_SIGNAL = signal.SIGTERM
+PDEATHSIG_THREAD = (
+    "the kernel sends an engine its parent-death signal when the thread that forked it "
+    "ends; spawn from the event loop's (main) thread"
+)
+
 
 class EngineProcess:
     """The processes of one engine, across its spawns."""
 
-    def __init__(self, spec: EngineSpec) -> None:
+    def __init__(self, spec: EngineSpec, lineage: Mapping[str, str] | None = None) -> None:
         self.spec = spec
+        # Added to its environment: which appliance and supervisor started it (a later
+        # life of the supervisor finds its leftovers by these).
+        self._lineage = dict(lineage or {})
         self.api_key = ""  # this spawn's engine key (new at every spawn)
         self.output_tail: collections.deque[str] = collections.deque(maxlen=OUTPUT_TAIL_LINES)
         self._last_exit: str | None = None
@@ -98,14 +118,17 @@ class EngineProcess:
         # asyncio's Process.wait() waits for its pipes to close, so a crash would go
         # unnoticed for as long as an orphan lives.
         rfd, wfd = os.pipe()
+        if threading.current_thread() is not threading.main_thread():
+            log.warning("%s: spawned off the main thread: %s", spec.name, PDEATHSIG_THREAD)
         try:
             self._proc = await asyncio.create_subprocess_exec(
                 *argv,
-                env=spec.env_with_key(self.api_key),
+                env={**spec.env_with_key(self.api_key), **self._lineage},
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=wfd,
                 stderr=wfd,
                 start_new_session=True,
+                preexec_fn=proctree.parent_death_signal(ENGINE_PARENT_DEATH_SIGNAL),
             )
         except OSError as exc:
             os.close(rfd)
