@@ -28,6 +28,8 @@ Building the command line is a pure function here, so it is tested without proce
 from __future__ import annotations
 
 import enum
+import hashlib
+import os
 import secrets
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -119,6 +121,27 @@ class EngineSpec:
         # The key travels in the environment: a command line is readable by every local
         # user (ps, /proc/N/cmdline), another user's environment is not.
         return {**self.env, "VLLM_API_KEY": api_key}
+
+
+# Which appliance an engine belongs to, beside its per-engine tag (LLM_APPLIANCE_ENGINE):
+# a supervisor that starts again finds what its previous life left by these (see
+# appliance.supervisor.leftovers). Engines of older versions carry the tag only.
+INSTANCE_ENV = "LLM_APPLIANCE_INSTANCE"
+SUPERVISOR_ENV = "LLM_APPLIANCE_SUPERVISOR"
+
+
+def instance_id(keys_file: str) -> str:
+    """The appliance's identity: its keys file's absolute path, hashed. The keys file is
+    its state (one per appliance, fixed across restarts, whatever --config names it), and
+    two appliances sharing one would share their users too, so they are one appliance."""
+    path = os.path.realpath(os.path.expanduser(keys_file))
+    return hashlib.sha256(path.encode()).hexdigest()[:16]
+
+
+def lineage_env(instance: str, supervisor_pid: int, supervisor_started: float) -> dict[str, str]:
+    """What each engine's environment says of who started it: the appliance, and the
+    supervisor process (pid and start time, so a reused pid is not taken for it)."""
+    return {INSTANCE_ENV: instance, SUPERVISOR_ENV: f"{supervisor_pid}@{supervisor_started:.2f}"}
 
 
 def new_api_key() -> str:
