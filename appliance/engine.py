@@ -81,7 +81,12 @@ def check_transition(old: EngineState, new: EngineState) -> None:
 class RestartReason(enum.Enum):
     """Why an engine was (re)started; the label of appliance_engine_restarts_total."""
 
-    CRASH = "crash"  # the process exited on its own
+    CRASH = "crash"  # it could not be started, or what listens at its address is not it
+    EXITED = "exited"  # the process exited by itself (its status in last_exit)
+    SIGNAL = "signal"  # killed by a signal the supervisor did not send
+    OOM = "oom"  # killed by SIGKILL while an OOM kill counter rose: the OOM killer
+    BIND_FAILED = "bind_failed"  # it could not bind its address
+    LOAD_FAILED = "load_failed"  # it could not load the model (vLLM's EngineCore failed)
     HUNG = "hung"  # alive but no token came back and none were flowing
     STARTUP_TIMEOUT = "startup_timeout"
     DEGRADED = "degraded"  # the degradation detector's verdict

@@ -22,7 +22,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 
 from appliance import endpoint, proctree
-from appliance.engine import EngineSpec, new_api_key, with_batched_tokens
+from appliance.engine import EngineSpec, RestartReason, new_api_key, with_batched_tokens
+from appliance.supervisor import exits
 from appliance.telemetry import GpuReading
 
 log = logging.getLogger("appliance.supervisor")
@@ -63,6 +64,7 @@ class EngineProcess:
         self._proc: asyncio.subprocess.Process | None = None
         self._relay: asyncio.Task[None] | None = None
         self._members: proctree.Members = {}  # its tree, last seen whole
+        self._oom_at_spawn: exits.OomCounts = (None, None)  # OOM kill counters then
 
     @property
     def started(self) -> bool:
@@ -105,6 +107,9 @@ class EngineProcess:
         # A new key per spawn: a key that leaked (a command line, a core dump) is
         # worthless once the engine it belonged to is gone.
         self.api_key = new_api_key()
+        self._oom_at_spawn = await asyncio.to_thread(exits.oom_counts)
+        # Its exit is judged by its own output, not by what an earlier spawn said.
+        self.output_tail.clear()
         argv = with_batched_tokens(spec.argv_with_key(self.api_key), batched_tokens)
         log.info(
             "%s: starting on %s, listening on %s: %s",
@@ -182,18 +187,24 @@ class EngineProcess:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(self._proc.wait()), timeout_s)
 
-    def log_exit(self, when: str) -> None:
-        self._last_exit = f"{self.exit_reason()} {when}"
+    def log_exit(self, when: str) -> RestartReason:
+        """An exit we did not ask for: its cause named in last_exit and the journal, and
+        returned as the restart reason."""
         code = self.returncode or 0
+        moved = exits.oom_moved(self._oom_at_spawn, exits.oom_counts())
+        cause = exits.classify(code, self.output_tail, when == "while starting", moved)
+        self._last_exit = f"{cause.words} {when}; {self.exit_reason()}"
         how = f"signal {signal.Signals(-code).name}" if code < 0 else f"status {code}"
         tail = "\n    ".join(list(self.output_tail)[-10:])
         log.error(
-            "%s: exited with %s %s%s",
+            "%s: exited with %s %s (cause: %s)%s",
             self.spec.name,
             how,
             when,
+            cause.words,
             f"; last output:\n    {tail}" if tail else "",
         )
+        return cause.reason
 
     @property
     def last_exit(self) -> str | None:
@@ -251,9 +262,12 @@ class EngineProcess:
         self._members.update(members)
         return rss
 
-    async def kill_tree(self, timeout_s: float) -> None:
-        """SIGTERM the whole tree, SIGKILL what is left after ``timeout_s``, reap."""
+    async def kill_tree(self, timeout_s: float, why: str = "") -> None:
+        """SIGTERM the whole tree, SIGKILL what is left after ``timeout_s``, reap. ``why``
+        (the runner's reason) names the exit in last_exit when the engine was running."""
         proc = self._proc
+        if why and proc is not None and proc.returncode is None:
+            self._last_exit = f"stopped by the supervisor ({why})"
         root = proc.pid if proc is not None else None
         if proc is not None and proc.returncode is not None:
             # The API server is gone: what is left has no clients and nothing to finish
