@@ -24,7 +24,13 @@ import pytest
 from appliance.engine import INSTANCE_ENV, SUPERVISOR_ENV
 from appliance.proctree import TAG_ENV
 from tests.fakes.appliance_proc import alive, fake_engine_config, get_json, run_appliance
-from tests.fakes.engine_proc import FAKE_ENGINE_PATH, free_port, stop_fake_engine, wait_healthy
+from tests.fakes.engine_proc import (
+    FAKE_ENGINE_PATH,
+    free_port,
+    kill_group,
+    stop_fake_engine,
+    wait_healthy,
+)
 from tests.fakes.uds_http import uds_request
 
 pytestmark = pytest.mark.slow
@@ -156,3 +162,4 @@ def test_new_life_stops_an_older_versions_engines_and_nothing_else(
     finally:
         for p in orphans + bystanders:
             stop_fake_engine(p, timeout=1.0)
+            kill_group(p.pid)  # their "EngineCores" too, should the sweep not have run
