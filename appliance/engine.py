@@ -28,6 +28,8 @@ Building the command line is a pure function here, so it is tested without proce
 from __future__ import annotations
 
 import enum
+import hashlib
+import os
 import secrets
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -79,7 +81,12 @@ def check_transition(old: EngineState, new: EngineState) -> None:
 class RestartReason(enum.Enum):
     """Why an engine was (re)started; the label of appliance_engine_restarts_total."""
 
-    CRASH = "crash"  # the process exited on its own
+    CRASH = "crash"  # it could not be started, or what listens at its address is not it
+    EXITED = "exited"  # the process exited by itself (its status in last_exit)
+    SIGNAL = "signal"  # killed by a signal the supervisor did not send
+    OOM = "oom"  # killed by SIGKILL while an OOM kill counter rose: the OOM killer
+    BIND_FAILED = "bind_failed"  # it could not bind its address
+    LOAD_FAILED = "load_failed"  # it could not load the model (vLLM's EngineCore failed)
     HUNG = "hung"  # alive but no token came back and none were flowing
     STARTUP_TIMEOUT = "startup_timeout"
     DEGRADED = "degraded"  # the degradation detector's verdict
@@ -119,6 +126,27 @@ class EngineSpec:
         # The key travels in the environment: a command line is readable by every local
         # user (ps, /proc/N/cmdline), another user's environment is not.
         return {**self.env, "VLLM_API_KEY": api_key}
+
+
+# Which appliance an engine belongs to, beside its per-engine tag (LLM_APPLIANCE_ENGINE):
+# a supervisor that starts again finds what its previous life left by these (see
+# appliance.supervisor.leftovers). Engines of older versions carry the tag only.
+INSTANCE_ENV = "LLM_APPLIANCE_INSTANCE"
+SUPERVISOR_ENV = "LLM_APPLIANCE_SUPERVISOR"
+
+
+def instance_id(keys_file: str) -> str:
+    """The appliance's identity: its keys file's absolute path, hashed. The keys file is
+    its state (one per appliance, fixed across restarts, whatever --config names it), and
+    two appliances sharing one would share their users too, so they are one appliance."""
+    path = os.path.realpath(os.path.expanduser(keys_file))
+    return hashlib.sha256(path.encode()).hexdigest()[:16]
+
+
+def lineage_env(instance: str, supervisor_pid: int, supervisor_started: float) -> dict[str, str]:
+    """What each engine's environment says of who started it: the appliance, and the
+    supervisor process (pid and start time, so a reused pid is not taken for it)."""
+    return {INSTANCE_ENV: instance, SUPERVISOR_ENV: f"{supervisor_pid}@{supervisor_started:.2f}"}
 
 
 def new_api_key() -> str:

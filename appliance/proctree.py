@@ -15,6 +15,10 @@ engine's tree is found four ways, and a process found by any of them is ended:
 
 The supervisor also makes itself a child subreaper, so orphans re-parent to it rather
 than to PID 1 and their exit statuses can be collected here (no zombies).
+
+When the supervisor itself dies (kill -9, a crash, the OOM killer), each API server gets
+a parent-death signal (:func:`parent_death_signal`) and takes its own children down; what
+still outlives it is swept by the next start (appliance.supervisor.leftovers).
 """
 
 from __future__ import annotations
@@ -25,12 +29,14 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import psutil
 
 log = logging.getLogger(__name__)
 
+PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 TAG_ENV = "LLM_APPLIANCE_ENGINE"
 
@@ -44,7 +50,31 @@ def become_subreaper() -> bool:
         return False
 
 
-def _tagged(proc: psutil.Process, tag: str) -> bool:
+def parent_death_signal(sig: int) -> Callable[[], None] | None:
+    """A ``preexec_fn`` that has the kernel send ``sig`` to the child when we die.
+
+    Runs in the child between fork and exec, so it must do almost nothing: prctl was
+    looked up here, before the fork. The kernel ties PR_SET_PDEATHSIG to the *thread*
+    that forked the child, not the process: spawn only from the event loop's thread (the
+    main thread), never from a worker thread, or the engine would get the signal when
+    that thread ends. If we died before prctl took effect, the child was re-parented
+    already: it signals itself, as the kernel would have. None where prctl is missing.
+    """
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def arm() -> None:
+        prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0)
+        if os.getppid() != parent:
+            os.kill(os.getpid(), sig)
+
+    return arm
+
+
+def _tagged(proc: psutil.Process, tag: str | None) -> bool:
     try:
         return bool(proc.environ().get(TAG_ENV) == tag)
     except (psutil.Error, OSError):
@@ -55,9 +85,10 @@ Members = dict[int, float]  # pid -> create_time
 
 
 def find_tree(
-    tag: str, root_pid: int | None = None, known: Members | None = None
+    tag: str | None, root_pid: int | None = None, known: Members | None = None
 ) -> list[psutil.Process]:
-    """Every live process of one engine, root first where it still exists."""
+    """Every live process of one engine, root first where it still exists (``tag``
+    None: not by the tag, for trees whose tag alone does not make them ours)."""
     found: dict[int, psutil.Process] = {}
     for pid, created in (known or {}).items():
         with contextlib.suppress(psutil.Error):
@@ -78,7 +109,7 @@ def find_tree(
                     if os.getpgid(proc.pid) == pgid:
                         found.setdefault(proc.pid, proc)
     me = os.getpid()
-    for proc in psutil.process_iter(["pid"]):
+    for proc in psutil.process_iter(["pid"]) if tag is not None else ():
         if proc.pid != me and proc.pid not in found and _tagged(proc, tag):
             found[proc.pid] = proc
     live = []
@@ -143,7 +174,7 @@ class KillResult:
 
 
 def kill_tree(
-    tag: str, root_pid: int | None, timeout_s: float, known: Members | None = None
+    tag: str | None, root_pid: int | None, timeout_s: float, known: Members | None = None
 ) -> KillResult:
     """SIGTERM the whole tree, wait up to ``timeout_s``, SIGKILL what is left, reap.
 

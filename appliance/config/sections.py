@@ -202,7 +202,8 @@ class RestartConfig:
     backoff_max_s: float = _f(300.0, "Longest wait between restarts.", lo=0, live=True)
     max_restarts_per_hour: int = _f(
         6,
-        "More unplanned restarts (crash, hung, startup_timeout) than this within an hour "
+        "More unplanned restarts (any reason but heat, degraded and admin: the engine "
+        "exited, was killed, failed to start, hung) than this within an hour "
         "leave the engine FAILED.",
         lo=0,
         live=True,

@@ -2,7 +2,8 @@
 
 Two budgets, so a hot afternoon never spends the budget that stops a crash loop:
 
-- **unplanned** restarts (crash, hang, start-up timeout) count against
+- **unplanned** restarts (every reason but those below: the engine exited, was killed,
+  failed to start, hung, or timed out starting) count against
   ``restart.max_restarts_per_hour``; past it the engine is FAILED until an admin
   restarts it. Each one in a row also waits longer first (:func:`backoff_delay`);
 - **planned** restarts the supervisor chose (heat, degradation) count against

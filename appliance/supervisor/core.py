@@ -30,6 +30,8 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+import psutil
+
 from appliance import paths, proctree
 from appliance.audit import AuditLog
 from appliance.config import Config
@@ -42,10 +44,10 @@ from appliance.control import (
     NoGateway,
     StartHttp,
 )
-from appliance.engine import EngineSpec, EngineState
+from appliance.engine import EngineSpec, EngineState, instance_id, lineage_env
 from appliance.errors import EXIT_NO_ENGINE, EXIT_OK
 from appliance.plan import EnginePlan
-from appliance.supervisor import stopping
+from appliance.supervisor import leftovers, stopping
 from appliance.supervisor.boot import SocketDir, gpu_count, make_plan, open_telemetry
 from appliance.supervisor.commands import CheckNow, Drain, Nudge, Restart, Resume
 from appliance.supervisor.coordination import RestartCoordinator
@@ -95,6 +97,9 @@ class Supervisor:
         self._link: GatewayLink = NoGateway()
         self.plan: EnginePlan | None = None
         self._runners: list[EngineRunner] = []
+        self._processes: list[EngineProcess] = []
+        # Which appliance this is, in every engine's environment: see leftovers.py.
+        self._instance = instance_id(config.gateway.keys_file)
         self._heat: HeatWatch | None = None
         self._sockets = SocketDir()
         self.coordinator = RestartCoordinator(lambda: ((r.id, r.state) for r in self._runners))
@@ -177,8 +182,13 @@ class Supervisor:
         try:
             heat = self._prepare()
             if start_http is not None:
+                # First: a second `serve` of this appliance fails here on the gateway's
+                # port, before the sweep could take a running supervisor's engines.
                 http = await start_http()
                 self._link = http.link
+            await leftovers.sweep(
+                self._processes, self._instance, heat.source, lambda: self._stopping
+            )
             self.accepting = True
             telemetry = heat.run(self._runners, lambda: self._link, lambda: self._stopping)
             self._tasks.start(telemetry, self._runners)
@@ -198,7 +208,13 @@ class Supervisor:
         gpus = gpu_count(self.config)
         self._sockets = SocketDir.make(self.config, self._env)
         self.plan = plan = make_plan(self.config, gpus, self._env, self._home, self._sockets)
-        self._runners = [self._runner(spec) for spec in plan.specs]
+        me = psutil.Process()
+        lineage = lineage_env(self._instance, me.pid, me.create_time())
+        self._processes = [EngineProcess(spec, lineage) for spec in plan.specs]
+        self._runners = [
+            self._runner(spec, process)
+            for spec, process in zip(plan.specs, self._processes, strict=True)
+        ]
         log.info("plan: %d %s engine(s): %s", len(self._runners), plan.device, plan.summary())
         if plan.cpu_note:
             log.info("plan: %s", plan.cpu_note)
@@ -207,8 +223,7 @@ class Supervisor:
         return self._heat
 
     # ---- main loop and signals ------------------------------------------------------
-    def _runner(self, spec: EngineSpec) -> EngineRunner:
-        process = EngineProcess(spec)
+    def _runner(self, spec: EngineSpec, process: EngineProcess) -> EngineRunner:
         # The probe reaches a TCP engine only on connections checked to be its tree's.
         return EngineRunner(spec, self, process, HttpProbe(spec, lambda: process.pid))
 

@@ -17,11 +17,13 @@ import os
 import re
 import signal
 import sys
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from appliance import endpoint, proctree
-from appliance.engine import EngineSpec, new_api_key, with_batched_tokens
+from appliance.engine import EngineSpec, RestartReason, new_api_key, with_batched_tokens
+from appliance.supervisor import exits
 from appliance.telemetry import GpuReading
 
 log = logging.getLogger("appliance.supervisor")
@@ -31,18 +33,38 @@ PORT_FREE_WAIT_S = 30.0
 OUTPUT_TAIL_LINES = 30
 GPU_MEMORY_FREE_SHARE = 0.1  # below this share of a GPU's memory in use, it counts as free
 
+# What an engine's API server gets when the supervisor dies, however it dies. SIGTERM,
+# not SIGKILL: vLLM 0.32's EngineCore has no parent watch of its own (no prctl, getppid
+# or death pipe in vllm/v1/engine/; only workers watch EngineCore, through the death pipe
+# of vllm/v1/executor/multiproc_executor.py:726-760 and :834-856), so the API server must
+# live long enough to end it. On SIGTERM it does: entrypoints/launchers/launcher.py:251-279
+# stops the engine client with vllm_config.shutdown_timeout (0 by default, config/vllm.py:
+# 443: abort), whose process manager (v1/engine/utils.py:335-348 -> v1/utils.py:605-658)
+# terminates EngineCore and at once kill_process_tree()s it (SIGKILL, children first).
+# During start-up, api_server/entry.py:169-174 turns SIGTERM into KeyboardInterrupt, which
+# unwinds the same context managers. Whatever still outlives it is swept at next start.
+ENGINE_PARENT_DEATH_SIGNAL = signal.SIGTERM
+PDEATHSIG_THREAD = (
+    "the kernel sends an engine its parent-death signal when the thread that forked it "
+    "ends; spawn from the event loop's (main) thread"
+)
+
 
 class EngineProcess:
     """The processes of one engine, across its spawns."""
 
-    def __init__(self, spec: EngineSpec) -> None:
+    def __init__(self, spec: EngineSpec, lineage: Mapping[str, str] | None = None) -> None:
         self.spec = spec
+        # Added to its environment: which appliance and supervisor started it (a later
+        # life of the supervisor finds its leftovers by these).
+        self._lineage = dict(lineage or {})
         self.api_key = ""  # this spawn's engine key (new at every spawn)
         self.output_tail: collections.deque[str] = collections.deque(maxlen=OUTPUT_TAIL_LINES)
         self._last_exit: str | None = None
         self._proc: asyncio.subprocess.Process | None = None
         self._relay: asyncio.Task[None] | None = None
         self._members: proctree.Members = {}  # its tree, last seen whole
+        self._oom_at_spawn: exits.OomCounts = (None, None)  # OOM kill counters then
 
     @property
     def started(self) -> bool:
@@ -85,6 +107,9 @@ class EngineProcess:
         # A new key per spawn: a key that leaked (a command line, a core dump) is
         # worthless once the engine it belonged to is gone.
         self.api_key = new_api_key()
+        self._oom_at_spawn = await asyncio.to_thread(exits.oom_counts)
+        # Its exit is judged by its own output, not by what an earlier spawn said.
+        self.output_tail.clear()
         argv = with_batched_tokens(spec.argv_with_key(self.api_key), batched_tokens)
         log.info(
             "%s: starting on %s, listening on %s: %s",
@@ -98,14 +123,17 @@ class EngineProcess:
         # asyncio's Process.wait() waits for its pipes to close, so a crash would go
         # unnoticed for as long as an orphan lives.
         rfd, wfd = os.pipe()
+        if threading.current_thread() is not threading.main_thread():
+            log.warning("%s: spawned off the main thread: %s", spec.name, PDEATHSIG_THREAD)
         try:
             self._proc = await asyncio.create_subprocess_exec(
                 *argv,
-                env=spec.env_with_key(self.api_key),
+                env={**spec.env_with_key(self.api_key), **self._lineage},
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=wfd,
                 stderr=wfd,
                 start_new_session=True,
+                preexec_fn=proctree.parent_death_signal(ENGINE_PARENT_DEATH_SIGNAL),
             )
         except OSError as exc:
             os.close(rfd)
@@ -159,18 +187,24 @@ class EngineProcess:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(self._proc.wait()), timeout_s)
 
-    def log_exit(self, when: str) -> None:
-        self._last_exit = f"{self.exit_reason()} {when}"
+    def log_exit(self, when: str) -> RestartReason:
+        """An exit we did not ask for: its cause named in last_exit and the journal, and
+        returned as the restart reason."""
         code = self.returncode or 0
+        moved = exits.oom_moved(self._oom_at_spawn, exits.oom_counts())
+        cause = exits.classify(code, self.output_tail, when == "while starting", moved)
+        self._last_exit = f"{cause.words} {when}; {self.exit_reason()}"
         how = f"signal {signal.Signals(-code).name}" if code < 0 else f"status {code}"
         tail = "\n    ".join(list(self.output_tail)[-10:])
         log.error(
-            "%s: exited with %s %s%s",
+            "%s: exited with %s %s (cause: %s)%s",
             self.spec.name,
             how,
             when,
+            cause.words,
             f"; last output:\n    {tail}" if tail else "",
         )
+        return cause.reason
 
     @property
     def last_exit(self) -> str | None:
@@ -233,9 +267,12 @@ class EngineProcess:
         self._members.update(members)
         return rss
 
-    async def kill_tree(self, timeout_s: float) -> None:
-        """SIGTERM the whole tree, SIGKILL what is left after ``timeout_s``, reap."""
+    async def kill_tree(self, timeout_s: float, why: str = "") -> None:
+        """SIGTERM the whole tree, SIGKILL what is left after ``timeout_s``, reap. ``why``
+        (the runner's reason) names the exit in last_exit when the engine was running."""
         proc = self._proc
+        if why and proc is not None and proc.returncode is None:
+            self._last_exit = f"stopped by the supervisor ({why})"
         root = proc.pid if proc is not None else None
         if proc is not None and proc.returncode is not None:
             # The API server is gone: what is left has no clients and nothing to finish

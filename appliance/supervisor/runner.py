@@ -281,8 +281,7 @@ class EngineRunner:
                     timeout = min(timeout, KV_POLL_S)
                 woken = await self._inbox.nap(timeout, exited)
                 if exited.done():
-                    self._process.log_exit("while serving")
-                    return RestartReason.CRASH
+                    return self._process.log_exit("while serving")
                 if self._host.stopping:
                     return None
                 if self._plan.requested is not None and (reason := await self._planned()):
@@ -383,7 +382,8 @@ class EngineRunner:
         if reason is RestartReason.HUNG:
             give_up_hung_requests(self.spec, host)
         timeout = stop_grace_s(self.spec, host, reason)
-        await self._inbox.busy(self._process.kill_tree(timeout))
+        why = reason.value if reason is not None else "the daemon is stopping"
+        await self._inbox.busy(self._process.kill_tree(timeout, why))
         if self._state is not EngineState.FAILED:
             self._set_state(EngineState.EXITED)
         if host.stopping:

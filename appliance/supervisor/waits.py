@@ -37,8 +37,7 @@ async def wait_ready(
     deadline = time.monotonic() + allowed
     while not host.stopping:
         if proc.returncode is not None:
-            proc.log_exit("while starting")
-            return RestartReason.CRASH
+            return proc.log_exit("while starting")
         if time.monotonic() > deadline:
             log.error(
                 "%s: not ready after %.0f s (engine.startup_timeout_s)",

@@ -133,7 +133,12 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 def child_main(gpu_share: float = 0.0) -> None:
     """Imitates VLLM::EngineCore: same process group, sleeps until SIGTERM (with
-    ``--gpu-share``, holding GPU memory: :func:`gpu_hold`)."""
+    ``--gpu-share``, holding GPU memory: :func:`gpu_hold`).
+
+    Like vLLM 0.32's EngineCore it does not watch its parent (no prctl, getppid or death
+    pipe in vllm/v1/engine/): when the API server dies, it lives on unless the API
+    server ended it first (as vLLM's does on SIGTERM, and this fake's does too).
+    """
     title = "VLLM::EngineCore"
     try:
         import setproctitle  # type: ignore[import-not-found]
@@ -1153,6 +1158,10 @@ async def serve(args: argparse.Namespace, unknown: list[str]) -> int:
             flush=True,
         )
         await stop.wait()
+        # vLLM stops its EngineCore before its HTTP server, aborting what runs (its
+        # shutdown_timeout is 0 by default): launcher.py's handle_shutdown. So the child
+        # goes at once, even with streams open (which the HTTP cleanup waits for).
+        engine.stop_child()
         print("INFO:     Shutting down", flush=True)
         await runner.cleanup()
         print(f"INFO:     Finished server process [{pid}]", flush=True)

@@ -21,7 +21,7 @@ import pytest
 from appliance.config import Config, parse_config
 from appliance.control import CommandResult, NoGateway
 from appliance.endpoint import EngineAddress
-from appliance.engine import EngineSpec, EngineState
+from appliance.engine import EngineSpec, EngineState, RestartReason
 from appliance.errors import IllegalTransition
 from appliance.health import Observation
 from appliance.supervisor.commands import CheckNow, Drain, Nudge, Restart, Resume
@@ -124,8 +124,9 @@ class FakeProcess:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(asyncio.shield(self._exit), timeout_s)
 
-    def log_exit(self, when: str) -> None:
+    def log_exit(self, when: str) -> RestartReason:
         self.exits.append(when)
+        return RestartReason.EXITED
 
     def exit_reason(self) -> str:
         return "exited with status 1: ValueError: bad argument"
@@ -144,7 +145,7 @@ class FakeProcess:
     async def sample_tree(self) -> int | None:
         return None
 
-    async def kill_tree(self, timeout_s: float) -> None:
+    async def kill_tree(self, timeout_s: float, why: str = "") -> None:
         self.kills.append(timeout_s)
         if self._exit is not None and not self._exit.done():
             self._exit.set_result(-15)
@@ -240,7 +241,7 @@ async def test_a_crash_is_followed_by_a_backoff_then_a_new_start() -> None:
         assert proc.spawned_at[1] - crashed_at >= BACKOFF_S
         assert e.states() == [S.STARTING, S.READY, S.STOPPING, S.EXITED, S.STARTING, S.READY]
         status = runner.status()
-        assert (status.restarts, status.restarts_by_reason) == (1, {"crash": 1})
+        assert (status.restarts, status.restarts_by_reason) == (1, {"exited": 1})
         assert status.api_key == "key-2"  # a new key per spawn
 
 
