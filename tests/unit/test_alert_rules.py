@@ -41,6 +41,7 @@ EXPECTED_ALERTS = {
     "LlmApplianceKvBreakerOpen",
     "LlmApplianceGpuAtHardLimit",
     "LlmApplianceQueueSaturated",
+    "LlmApplianceStateWriteFailing",
 }
 
 
