@@ -218,12 +218,10 @@ class GatewayRequestHandler(web.RequestHandler):
     def _parse(self, data: bytes) -> None:
         """aiohttp's parse of ``data``; head by head when it holds more than one.
 
-        aiohttp's parser raises on the first malformed request in a read, and every
-        request it had parsed before it in that read is dropped with the exception: a
-        valid request pipelined before garbage in one write lost its answer. Fed up to
-        one head end at a time, the requests before the bad one are queued before its
-        400, and answered first, in order. One read holding two head ends is rare
-        (pipelining), so the usual cost is one or two byte searches.
+        aiohttp's parser raises on the first malformed request in a read and drops every
+        request it parsed before it in that read: a valid request pipelined before
+        garbage lost its answer. Fed one head end at a time, the requests before the bad
+        one are answered first, in order; the usual cost is one or two byte searches.
         """
         first = data.find(HEAD_END)
         if first < 0 or data.find(HEAD_END, first + 4) < 0:
