@@ -19,6 +19,7 @@ import json
 import re
 import socket
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -170,25 +171,33 @@ def test_a_missing_max_output_tokens_becomes_the_cap(box: Box) -> None:
 
 
 def test_a_stored_response_is_continued_read_and_cancelled_on_its_own_engine(box: Box) -> None:
-    code, _, first = box.call(
-        "POST", "/v1/responses", {"model": CHAT, "input": "one", "max_output_tokens": 1}
-    )
-    assert code == 200, first
-    rid = first["id"]
-    before = box.served(f"/v1/responses/{rid}")
-    # Several follow-ups: with two engines, any sent to the other would be its 404.
-    for _ in range(4):
+    # Made side by side, so both engines make some (admission spreads what is in flight).
+    made_before = box.served("/v1/responses")
+    first = {"model": CHAT, "input": "one", "max_output_tokens": 30}
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda _: box.call("POST", "/v1/responses", first), range(8)))
+    assert all(code == 200 for code, _, _ in answers), answers
+    made = [a - b for a, b in zip(box.served("/v1/responses"), made_before, strict=True)]
+    assert all(m > 0 for m in made), made  # else this test would prove nothing
+    ids = [doc["id"] for _, _, doc in answers]
+
+    def follow(rid: str) -> tuple[int, Any]:
         body = {"model": CHAT, "input": "two", "previous_response_id": rid, "max_output_tokens": 1}
         code, _, nxt = box.call("POST", "/v1/responses", body)
-        assert code == 200 and nxt["previous_response_id"] == rid, nxt
-    code, _, got = box.call("GET", f"/v1/responses/{rid}")
-    assert code == 200 and got["id"] == rid
-    code, _, cancel = box.call("POST", f"/v1/responses/{rid}/cancel")
-    assert code == 400 and "synchronous" in cancel["error"]["message"]  # the engine's own word
-    after = box.served(f"/v1/responses/{rid}")
-    assert sorted(a - b for a, b in zip(after, before, strict=True)) == [0, 1]
-    cancels = box.served(f"/v1/responses/{rid}/cancel")
-    assert [c > 0 for c in cancels] == [a > b for a, b in zip(after, before, strict=True)]
+        return code, nxt
+
+    with ThreadPoolExecutor(8) as pool:
+        follows = list(pool.map(follow, ids))
+    # Any sent to the other engine would be that engine's 404.
+    assert all(code == 200 and nxt["previous_response_id"] in ids for code, nxt in follows)
+    for rid in ids:
+        before = box.served(f"/v1/responses/{rid}")
+        code, _, got = box.call("GET", f"/v1/responses/{rid}")
+        assert code == 200 and got["id"] == rid
+        code, _, cancel = box.call("POST", f"/v1/responses/{rid}/cancel")
+        assert code == 400 and "synchronous" in cancel["error"]["message"]  # the engine's
+        after = box.served(f"/v1/responses/{rid}")
+        assert sorted(a - b for a, b in zip(after, before, strict=True)) == [0, 1]
 
 
 def test_another_keys_response_is_404_as_if_it_did_not_exist(box: Box) -> None:
