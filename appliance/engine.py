@@ -370,6 +370,11 @@ def build_env(
             "DO_NOT_TRACK": "1",
             "PYTHONUNBUFFERED": "1",  # engine lines reach the journal as they happen
             "LLM_APPLIANCE_ENGINE": engine_tag,
+            # The Responses API's store (store: true, previous_response_id, retrieve,
+            # cancel): off in vLLM 0.32 unless set, and then store is silently ignored.
+            # Its store is in the engine's memory, unbounded (docs/api.md); engine.env
+            # can set it to "0".
+            "VLLM_ENABLE_RESPONSES_API_STORE": "1",
         }
     )
     if gpus:

@@ -17,11 +17,12 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from appliance.endpoint import EngineAddress
-from appliance.gateway.errors import GatewayError, sse_error_event
+from appliance.gateway.errors import GatewayError
 from appliance.gateway.failures import Attempt
 from appliance.gateway.http1 import AnswerTooLarge
+from appliance.gateway.protocols import ROUTES
 from appliance.gateway.request_body import ParsedRequest
-from appliance.gateway.usage_events import Metering
+from appliance.gateway.usage_events import Metering, Usage, usage_of_answer
 
 log = logging.getLogger("appliance.gateway")
 
@@ -37,6 +38,7 @@ class EngineCall:
     path: str  # the engine's route, e.g. /v1/chat/completions
     headers: dict[str, str]  # the engine's key, not the client's
     started: float  # time.monotonic() when the request arrived, for the TTFT metric
+    method: str = "POST"  # GET: a stored response's retrieve
     meter: Metering = field(default_factory=Metering)  # what the try got, for its usage
 
 
@@ -68,8 +70,16 @@ async def read_whole(limit: int, read: Callable[[int], Awaitable[bytes]]) -> byt
         ) from None
 
 
-async def end_with_error_event(request: web.Request, resp: web.StreamResponse, why: str) -> None:
-    """An engine broke after the client's first byte: say so in the stream, never truncate."""
+def answer_usage(call: EngineCall, body: bytes) -> Usage | None:
+    """The engine's counts in a whole answer, as the call's route writes them."""
+    plan = call.parsed.usage
+    return usage_of_answer(body) if plan is None else plan.answer_usage(body)
+
+
+async def end_with_error_event(call: EngineCall, resp: web.StreamResponse, why: str) -> None:
+    """An engine broke after the client's first byte: say so in the stream, never truncate,
+    with the error event of the route's protocol (its SDK raises on it)."""
+    request = call.client
     log.warning(
         "engine stream broke after the first byte (%s); ending the client's stream with "
         "an error event",
@@ -78,7 +88,7 @@ async def end_with_error_event(request: web.Request, resp: web.StreamResponse, w
     request["status"] = 502
     with contextlib.suppress(ConnectionError):
         await resp.write(
-            sse_error_event(
+            ROUTES[call.parsed.route].error_event(
                 502, "the engine failed while generating; the answer is incomplete", "engine_error"
             )
         )

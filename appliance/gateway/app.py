@@ -41,6 +41,8 @@ from appliance.gateway.keys import (
 from appliance.gateway.metrics import GatewayMetrics
 from appliance.gateway.models import UNKNOWN_MODEL, candidates
 from appliance.gateway.probes import KEYS_UNUSABLE, Probes
+from appliance.gateway.protocols import ALL as ALL_ROUTES
+from appliance.gateway.protocols import shape_of_path
 from appliance.gateway.proxy import Relay
 from appliance.gateway.ratelimit import RateLimiter
 from appliance.gateway.server import BodyTimeout, ConnectionLimits, GatewayRunner, ensure_fd_room
@@ -169,12 +171,25 @@ def _route_label(request: web.Request) -> str:
     return resource.canonical
 
 
-def _authenticate(gw: Gateway, request: web.Request, scope: str) -> None:
+def _presented_key(request: web.Request) -> str | None:
+    """The key the client sent: ``Authorization: Bearer``, or on Anthropic's routes
+    ``x-api-key`` as well (what the ``anthropic`` SDK sends; Claude Code with a token
+    sends the bearer)."""
     header = request.headers.get("Authorization", "")
-    if not header[: len(BEARER)].lower() == BEARER:
+    if header[: len(BEARER)].lower() == BEARER:
+        return header[len(BEARER) :]
+    if shape_of_path(request.path) == "anthropic":
+        return request.headers.get("x-api-key")
+    return None
+
+
+def _authenticate(gw: Gateway, request: web.Request, scope: str) -> None:
+    presented = _presented_key(request)
+    if presented is None:
+        also = " or 'x-api-key: <key>'" if shape_of_path(request.path) == "anthropic" else ""
         raise GatewayError(
             401,
-            "missing API key: send 'Authorization: Bearer <key>'",
+            f"missing API key: send 'Authorization: Bearer <key>'{also}",
             code="missing_api_key",
             reason="auth",
         )
@@ -187,7 +202,7 @@ def _authenticate(gw: Gateway, request: web.Request, scope: str) -> None:
             code="keys_file_error",
             retry_after=5,
         )
-    record, reason = gw.keys.lookup(header[len(BEARER) :].strip())
+    record, reason = gw.keys.lookup(presented.strip())
     if record is None:
         message = "this API key has expired" if reason == "expired" else "invalid API key"
         raise GatewayError(401, message, code="invalid_api_key", reason="auth")
@@ -232,11 +247,16 @@ def _check_access(gw: Gateway, request: web.Request) -> None:
 
 
 def _http_error(gw: Gateway, request: web.Request, exc: web.HTTPException) -> web.Response:
-    """aiohttp's own refusals (body too large, no route, wrong method) in OpenAI's shape."""
+    """aiohttp's own refusals (body too large, no route, wrong method) in the shape of the
+    route's protocol."""
+    shape = shape_of_path(request.path)
     if exc.status == 413:
         limit = gw.appliance.config.gateway.max_body_bytes
         return error_response(
-            413, f"the request body is larger than {limit} bytes", code="request_too_large"
+            413,
+            f"the request body is larger than {limit} bytes",
+            code="request_too_large",
+            shape=shape,
         )
     if exc.status == 404:
         return error_response(
@@ -248,8 +268,9 @@ def _http_error(gw: Gateway, request: web.Request, exc: web.HTTPException) -> we
             f"{request.method} is not allowed on {request.path}",
             code="method_not_allowed",
             headers={"Allow": exc.headers.get("Allow", "")},
+            shape=shape,
         )
-    return error_response(exc.status, exc.reason or "request refused")
+    return error_response(exc.status, exc.reason or "request refused", shape=shape)
 
 
 @web.middleware
@@ -266,10 +287,10 @@ async def gateway_middleware(request: web.Request, handler: Any) -> web.StreamRe
         return resp
     except GatewayError as exc:
         status = exc.status
-        return exc.response()
+        return exc.response(shape_of_path(request.path))
     except BodyTimeout as exc:  # the connection's body timer (gateway.server) ran out
         status = 408
-        return exc.response()
+        return exc.response(shape_of_path(request.path))
     except web.HTTPException as exc:
         status = exc.status
         return _http_error(gw, request, exc)
@@ -283,7 +304,10 @@ async def gateway_middleware(request: web.Request, handler: Any) -> web.StreamRe
         log.exception("unexpected error on %s %s", request.method, request.path)
         status = 500
         return error_response(
-            500, "internal error in the gateway; see its log", code="internal_error"
+            500,
+            "internal error in the gateway; see its log",
+            code="internal_error",
+            shape=shape_of_path(request.path),
         )
     finally:
         # The model label is a configured name once the relay resolved one, else "".
@@ -305,9 +329,11 @@ def create_app(appliance: Appliance, audit: AuditLog | None = None) -> web.Appli
     r = app.router
     Probes(gw).add_routes(r)  # /healthz, /readyz, /metrics
     r.add_get("/v1/models", gw.relay.models)
-    r.add_post("/v1/chat/completions", gw.relay.chat)
-    r.add_post("/v1/completions", gw.relay.completions)
-    r.add_post("/v1/embeddings", gw.relay.embeddings)
+    for route in ALL_ROUTES:  # every protocol's routes (protocols/), and no others
+        for path in route.client_paths:
+            r.add_post(path, gw.relay.handler_for(route))
+    r.add_get("/v1/responses/{response_id}", gw.relay.stored_response)
+    r.add_post("/v1/responses/{response_id}/cancel", gw.relay.stored_response)
     Admin(gw).add_routes(r)
     app.on_response_prepare.append(add_model_header)
     app.on_startup.append(gw.on_startup)

@@ -1,16 +1,21 @@
-"""OpenAI-shaped error responses: ``{"error": {"message", "type", "param", "code"}}``.
+"""Error responses in the shape of the protocol the client speaks, never a stack trace.
 
-Every refusal the gateway makes goes through :func:`error_response`, so clients (the
-official ``openai`` package maps status codes to exception classes) always get the same
-shape, and never a stack trace.
+OpenAI's ``{"error": {"message", "type", "param", "code"}}`` on every route but
+Anthropic's (``/v1/messages``, ``/v1/messages/count_tokens``), where it is Anthropic's
+``{"type": "error", "error": {"type", "message"}}`` with Anthropic's type names
+(:data:`ANTHROPIC_TYPES`): each SDK maps the status and the type to its exception
+classes. Every refusal the gateway makes goes through :func:`error_response`.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from typing import Literal
 
 from aiohttp import web
+
+Shape = Literal["openai", "anthropic"]
 
 ERROR_TYPES: Mapping[int, str] = {
     400: "invalid_request_error",
@@ -25,6 +30,29 @@ ERROR_TYPES: Mapping[int, str] = {
     503: "service_unavailable",
     504: "timeout_error",
 }
+
+
+# Anthropic's error types by status (its API's errors page); 503: it says overloaded.
+ANTHROPIC_TYPES: Mapping[int, str] = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    408: "timeout_error",
+    413: "request_too_large",
+    415: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "api_error",
+    502: "api_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+}
+
+
+def anthropic_error_body(status: int, message: str) -> dict[str, object]:
+    kind = ANTHROPIC_TYPES.get(status, "api_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
 
 
 def error_body(
@@ -54,15 +82,20 @@ def error_response(
     type_: str | None = None,
     retry_after: float | None = None,
     headers: Mapping[str, str] | None = None,
+    shape: Shape = "openai",
 ) -> web.Response:
     hdrs = dict(headers or {})
     if retry_after is not None:
         hdrs["Retry-After"] = str(max(1, int(retry_after + 0.999)))
     if status == 401:
         hdrs.setdefault("WWW-Authenticate", 'Bearer realm="llm-appliance"')
+    if shape == "anthropic":
+        body = anthropic_error_body(status, message)
+    else:
+        body = error_body(status, message, param=param, code=code, type_=type_)
     return web.Response(
         status=status,
-        body=json.dumps(error_body(status, message, param=param, code=code, type_=type_)),
+        body=json.dumps(body),
         content_type="application/json",
         headers=hdrs,
     )
@@ -96,13 +129,14 @@ class GatewayError(Exception):
         self.reason = reason or code or str(status)
         self.close = close  # the answer ends the connection (no keep-alive)
 
-    def response(self) -> web.Response:
+    def response(self, shape: Shape = "openai") -> web.Response:
         resp = error_response(
             self.status,
             self.message,
             param=self.param,
             code=self.code,
             retry_after=self.retry_after,
+            shape=shape,
         )
         if self.close:
             resp.force_close()

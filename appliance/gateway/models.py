@@ -18,17 +18,13 @@ from typing import Protocol, TypeVar
 
 from appliance.config import Config, ServedModel
 from appliance.gateway.errors import GatewayError
+from appliance.gateway.protocols import ALL, ROUTES, routes_of_task
 
-# What each task serves, in the words clients see (the relay's route names map to paths).
+# What each task serves (protocols/: each route says its tasks), by the relay's names.
 ROUTES_OF_TASK: dict[str, tuple[str, ...]] = {
-    "generate": ("chat", "completions"),
-    "embed": ("embeddings",),
+    task: tuple(r.name for r in routes_of_task(task)) for task in ("generate", "embed")
 }
-PATH_OF_ROUTE = {
-    "chat": "/v1/chat/completions",
-    "completions": "/v1/completions",
-    "embeddings": "/v1/embeddings",
-}
+PATH_OF_ROUTE = {r.name: r.path for r in ALL}
 UNKNOWN_MODEL = ""  # the metrics' model label before a request named a served model
 
 
@@ -73,11 +69,12 @@ def resolve(config: Config, name: str, route: str) -> ServedModel:
         )
     routes = ROUTES_OF_TASK.get(found.task, ())
     if route not in routes:
-        paths = " and ".join(PATH_OF_ROUTE[r] for r in routes)
+        paths = [p for r in routes for p in ROUTES[r].client_paths]
+        listed = " and ".join(paths)
         raise GatewayError(
             400,
             f"the model '{found.name}' is a{'n' if found.task == 'embed' else ''} "
-            f"{found.task} model: it is served on {paths} only, not on {PATH_OF_ROUTE[route]}",
+            f"{found.task} model: it is served on {listed} only, not on {PATH_OF_ROUTE[route]}",
             param="model",
             code="model_wrong_route",
             reason="model_wrong_route",

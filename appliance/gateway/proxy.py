@@ -24,6 +24,11 @@ alias, :mod:`appliance.gateway.models`); an alias is rewritten to the canonical 
 what the engine is sent. Admission, the retry and every limit stay within that model's
 engines: a request is never sent to another model's engine.
 
+Several protocols: what is particular to a route (its input, cost and counts, its
+error shape) is its module's in :mod:`appliance.gateway.protocols`; the relay is the same
+for all. State that lives in one engine (a stored response) pins a request to that
+engine (:mod:`appliance.gateway.stored_responses`).
+
 Where the parts live: the request body is read and checked in request_body.py; the
 failure types in failures.py; what the client is sent in answers.py; the two ways to an
 engine in via_client.py (aiohttp's client: whole answers, HTTP/1.0 streams) and
@@ -46,8 +51,10 @@ from appliance.gateway.answers import EngineCall
 from appliance.gateway.errors import GatewayError
 from appliance.gateway.failures import Attempt, EngineFailure, engine_error
 from appliance.gateway.fallback import REFUSE_HEADER, SERVED_BY, fallback_allowed
-from appliance.gateway.models import model_list, resolve
+from appliance.gateway.models import candidates, model_list, resolve
+from appliance.gateway.protocols import Route
 from appliance.gateway.request_body import ParsedRequest, finish_body, open_body, read_body
+from appliance.gateway.stored_responses import Holder, StoredResponses, spawn_of
 from appliance.gateway.via_client import relay_via_client
 from appliance.gateway.via_splice import relay_via_splice
 from appliance.policy.fallback import choose_fallback
@@ -64,6 +71,7 @@ class Relay:
     def __init__(self, gateway: Gateway) -> None:
         self.gw = gateway
         self._attempts: collections.defaultdict[int, set[Attempt]] = collections.defaultdict(set)
+        self.stored = StoredResponses()
 
     def abandon(self, engine_id: int, why: str) -> int:
         """Give up on every request on an engine that stopped answering; how many.
@@ -106,17 +114,110 @@ class Relay:
     async def embeddings(self, request: web.Request) -> web.StreamResponse:
         return await self._handle(request, "embeddings", "/v1/embeddings")
 
+    def handler_for(self, route: Route) -> Any:
+        """The POST handler of ``route``: the engine is sent the path the client called
+        (vLLM serves each of a route's paths; only the registry's are ever relayed)."""
+
+        async def handle(request: web.Request) -> web.StreamResponse:
+            return await self._handle(request, route.name, route.engine_path or request.path)
+
+        return handle
+
     async def _handle(self, request: web.Request, route: str, path: str) -> web.StreamResponse:
         started = time.monotonic()
         record = request["key"]
         parsed, fallback = await self._parse(request, route)
         # before tpm: never charge what cannot run
         self.gw.admission.check_cost(parsed.cost, parsed.model)
+        pinned = self._pinned(parsed, record.id)
         self._check_rate(record, parsed.cost)
         batch = record.priority == "batch"
+        if pinned is not None:
+            return await self._relay_pinned(request, path, parsed, started, batch, pinned)
         if fallback and fallback_allowed(request.headers.get(REFUSE_HEADER), record.fallback):
             return await self._relay_with_failover(request, path, parsed, started, batch, fallback)
         return await self._relay_with_failover(request, path, parsed, started, batch)
+
+    # ---- state kept in one engine (stored_responses.py) ----------------------------------
+    def _pinned(self, parsed: ParsedRequest, key_id: str) -> int | None:
+        """The engine a request must go to (it reads a stored response), or None."""
+        needs = parsed.state.needs if parsed.state is not None else None
+        if needs is None:
+            return None
+        held = self.stored.holder(needs, key_id, self._engine, "previous_response_id")
+        if held.model != parsed.model:
+            raise self.stored_elsewhere(needs, held)
+        return held.engine_id
+
+    @staticmethod
+    def stored_elsewhere(response_id: str, held: Holder) -> GatewayError:
+        return GatewayError(
+            400,
+            f"the response '{response_id}' was made by the model '{held.model}': send the "
+            "request that follows it to that model",
+            param="previous_response_id",
+            code="model_mismatch",
+            reason="bad_request",
+        )
+
+    def _engine(self, engine_id: int) -> Any:
+        try:
+            return self.gw.appliance.engine(engine_id)
+        except IndexError:  # the engine was configured away (a reload)
+            return None
+
+    def _record_state(self, request: web.Request, parsed: ParsedRequest, engine_id: int) -> None:
+        made = parsed.state.made if parsed.state is not None else None
+        if made is not None:
+            snap = self.gw.appliance.engine(engine_id)
+            held = Holder(engine_id, spawn_of(snap), request["key"].id, parsed.model)
+            self.stored.record(made, held)
+
+    async def _relay_pinned(
+        self,
+        request: web.Request,
+        path: str,
+        parsed: ParsedRequest,
+        started: float,
+        batch: bool,
+        engine_id: int,
+        method: str = "POST",
+    ) -> web.StreamResponse:
+        """Relay on ``engine_id`` alone: no fallback, no retry on another engine (which
+        would not hold the state the request reads)."""
+        gw = self.gw
+        others = frozenset(e.id for e in candidates(parsed.model, gw.appliance.engines()))
+        queued = time.monotonic()
+        got = await gw.admission.acquire(
+            parsed.cost,
+            batch=batch,
+            session=parsed.session,
+            exclude=others - {engine_id},
+            model=parsed.model,
+        )
+        gw.metrics.queue_wait.observe(time.monotonic() - queued)
+        try:
+            result = await self._relay(request, got, path, parsed, started, method)
+        finally:
+            gw.admission.release(got, parsed.cost)
+        if isinstance(result, web.StreamResponse):
+            return result
+        raise engine_error(result)
+
+    async def stored_response(self, request: web.Request) -> web.StreamResponse:
+        """``GET /v1/responses/{id}`` and ``POST /v1/responses/{id}/cancel``: to the
+        engine that made the response, for the key that made it (else 404)."""
+        started = time.monotonic()
+        record = request["key"]
+        response_id = request.match_info["response_id"]
+        held = self.stored.holder(response_id, record.id, self._engine)
+        request["model"] = held.model
+        self._check_rate(record, 0)
+        parsed = ParsedRequest("responses", held.model, False, 0, None, b"")
+        path = request.path + (f"?{request.query_string}" if request.query_string else "")
+        return await self._relay_pinned(
+            request, path, parsed, started, False, held.engine_id, request.method
+        )
 
     async def _parse(self, request: web.Request, route: str) -> tuple[ParsedRequest, str]:
         """The checked request, costed on the engines of the model it names (404 for no
@@ -271,6 +372,7 @@ class Relay:
         path: str,
         parsed: ParsedRequest,
         started: float,
+        method: str = "POST",
     ) -> web.StreamResponse | EngineFailure:
         """The response sent, or why the engine failed before its first byte."""
         snap = self.gw.appliance.engine(engine_id)
@@ -278,7 +380,8 @@ class Relay:
         attempt = Attempt(asyncio.current_task())
         attempts = self._attempts[engine_id]
         attempts.add(attempt)
-        call = EngineCall(request, parsed, attempt, snap.address, path, headers, started)
+        self._record_state(request, parsed, engine_id)
+        call = EngineCall(request, parsed, attempt, snap.address, path, headers, started, method)
         try:
             if parsed.stream and request.version >= HttpVersion11:
                 result = await relay_via_splice(self.gw, call)

@@ -1,12 +1,15 @@
-"""What the relay reads of an OpenAI request body, and what the request costs.
+"""What the relay reads of a request body, and what the request costs.
 
 The gateway checks only what it needs to route and limit a request (the model, whether
 it streams, the route's required input); the engine validates the rest. Each refusal is
-a 400 naming the field (``param``).
+a 400 naming the field (``param``). What is particular to a route (its input, its cost,
+its counts) is its protocol module's (:mod:`appliance.gateway.protocols`); this module
+is the same for all.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -16,9 +19,9 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
 from appliance.config import GatewayConfig
-from appliance.gateway.cost import request_cost
 from appliance.gateway.errors import GatewayError
 from appliance.gateway.json_bounds import TooMuchStructure, check_structure, may_exceed
+from appliance.gateway.protocols import ROUTES, StateRef
 from appliance.gateway.usage_events import UsagePlan, insert_stream_usage, plan_usage
 from appliance.policy.routing import session_key
 
@@ -35,6 +38,7 @@ class ParsedRequest:
     # What the key's tpm bucket was charged, when not ``cost``: a request sent to a
     # fallback is costed on that model's context, but was charged on the one it named.
     charged: int | None = None
+    state: StateRef | None = None  # what of it lives in one engine (a stored response)
 
     @property
     def tpm_charge(self) -> int:
@@ -64,22 +68,6 @@ def _dump(body: dict[str, Any]) -> bytes:
             return json.dumps(body, separators=(",", ":")).encode()
     except RecursionError:  # json.loads read it, one level short of dumps' limit
         raise bad_request("the request body is nested too deeply") from None
-
-
-def _check_route_input(route: str, body: dict[str, Any]) -> None:
-    """The input each route cannot do without: messages, a prompt, an input."""
-    if route == "chat":
-        msgs = body.get("messages")
-        if not isinstance(msgs, list) or not msgs:
-            raise bad_request("'messages' must be a non-empty list", "messages")
-    elif route == "completions":
-        prompt = body.get("prompt")
-        if not isinstance(prompt, (str, list)) or (isinstance(prompt, list) and not prompt):
-            raise bad_request("'prompt' must be a string or a non-empty list", "prompt")
-    elif route == "embeddings":
-        inp = body.get("input")
-        if not isinstance(inp, (str, list)) or (isinstance(inp, list) and not inp):
-            raise bad_request("'input' must be a string or a non-empty list", "input")
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,9 +102,11 @@ def open_body(route: str, raw: bytes) -> OpenedBody:
     if not isinstance(stream, bool):
         raise bad_request("'stream' must be true or false", "stream")
     _check_stream_options(body.get("stream_options"))
-    _check_route_input(route, body)
-    # vLLM answers embeddings with one JSON body whatever "stream" says: so does the relay.
-    return OpenedBody(body, model, stream and route != "embeddings", raw)
+    spec = ROUTES[route]
+    spec.check(body)
+    # vLLM answers embeddings (and the other routes that do not stream) with one JSON
+    # body whatever "stream" says: so does the relay.
+    return OpenedBody(body, model, stream and spec.streams, raw)
 
 
 def _check_stream_options(options: Any) -> None:
@@ -143,11 +133,22 @@ def finish_body(
     (no re-serialisation) unless a field must be set."""
     body = opened.fields
     canonical = model or opened.model
-    cost = request_cost(route, body, limits, max_model_len)
+    spec = ROUTES[route]
+    cost = spec.cost(body, limits, max_model_len)
     raw = opened.raw
     # may add stream_options; keeps what a request cut off before its count is charged
     plan = plan_usage(route, opened.stream, body, max_model_len, cost.completion_bound)
+    # The route's own readers of its counts (protocols/).
+    plan = dataclasses.replace(
+        plan,
+        preamble=spec.preamble,
+        bound=spec.prompt_bound,
+        reader=spec.event_usage,
+        answer=spec.answer_usage,
+    )
     rewrite = canonical != opened.model or plan.rewrite
+    if spec.prepare is not None and spec.prepare(body):
+        rewrite = True
     if rewrite:
         body["model"] = canonical
     if cost.write is not None:
@@ -160,7 +161,10 @@ def finish_body(
         raw = insert_stream_usage(raw) or _dump(body)
     user = body.get("user")
     session = session_key(user if isinstance(user, str) else None, headers.get("X-Session-Id"))
-    return ParsedRequest(route, canonical, opened.stream, cost.tokens, session, raw, plan)
+    state = spec.state(body) if spec.state is not None else None
+    return ParsedRequest(
+        route, canonical, opened.stream, cost.tokens, session, raw, plan, state=state
+    )
 
 
 def parse_body(

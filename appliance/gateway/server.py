@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any, cast
 from aiohttp import web
 from aiohttp.web_protocol import _ErrInfo
 
-from appliance.gateway.errors import error_response
+from appliance.gateway.errors import Shape, error_response
 from appliance.gateway.protocol_errors import ThrottledLog, peer_of, raw_error, reply_to_error
 
 if TYPE_CHECKING:
@@ -95,12 +95,13 @@ class BodyTimeout(TimeoutError):
         super().__init__(f"request body not complete within {timeout_s:g} s")
         self.timeout_s = timeout_s
 
-    def response(self) -> web.Response:
+    def response(self, shape: Shape = "openai") -> web.Response:
         resp = error_response(
             408,
             f"the request body did not arrive within {self.timeout_s:g} s (gateway.body_timeout_s)",
             code="body_timeout",
             type_="invalid_request_error",
+            shape=shape,
         )
         resp.force_close()
         return resp

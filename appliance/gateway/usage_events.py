@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeGuard
 
@@ -95,22 +96,34 @@ class UsagePlan:
     completion_bound: int = 0  # the most it may generate (cost.py): a whole answer cut off
     rewrite: bool = False  # the body must be re-serialised (the client sent stream_options)
     preamble: int = 0  # events before the first token: a chat stream's role event
+    # The route's own readers (protocols/): its prompt bound, its stream events' counts,
+    # a whole answer's counts. None: chat, completions and embeddings' (this module's).
+    bound: Callable[[Mapping[str, Any], int], int] | None = None
+    reader: Callable[[bytes], EventUsage | None] | None = None
+    answer: Callable[[bytes], Usage | None] | None = None
 
     @property
     def prompt_bound(self) -> int:
         """The prompt tokens counted when the engine's count never comes: never fewer than
         the engine counted (cost.prompt_bound says why). Worked out only then."""
         try:
+            if self.bound is not None:
+                return self.bound(self.fields, self.max_model_len)
             return prompt_bound(self.route, self.fields, self.max_model_len)
         except Exception:  # already checked by request_cost: never fail a request here
             return self.max_model_len
+
+    def answer_usage(self, body: bytes) -> Usage | None:
+        """The engine's counts in a whole answer's body, as this route writes them."""
+        return usage_of_answer(body) if self.answer is None else self.answer(body)
 
 
 def plan_usage(
     route: str, stream: bool, body: dict[str, Any], max_model_len: int, completion_bound: int = 0
 ) -> UsagePlan:
     """Ask for the stream's usage event when the client did not (``body`` is updated);
-    what the upper bound needs is kept, for a request cut off before its count."""
+    what the upper bound needs is kept, for a request cut off before its count. Routes
+    whose streams always carry their counts (protocols/) are asked nothing."""
     preamble = 1 if route == "chat" else 0
 
     def plan(added: bool, rewrite: bool = False) -> UsagePlan:
@@ -149,6 +162,14 @@ def insert_stream_usage(raw: bytes) -> bytes | None:
 class Usage:
     prompt: int
     completion: int
+
+
+@dataclass(frozen=True, slots=True)
+class EventUsage:
+    """The counts one stream event carries (a protocol's reader, protocols/)."""
+
+    prompt: int
+    completion: int | None  # None: the prompt's count only, so far (Anthropic's message_start)
 
 
 def usage_of(obj: Any) -> Usage | None:
@@ -239,15 +260,31 @@ class StreamTap:
     per token step).
     """
 
-    __slots__ = ("by_json", "events", "held", "mark", "preamble", "separators", "strip", "usage")
+    __slots__ = (
+        "by_json",
+        "events",
+        "held",
+        "mark",
+        "preamble",
+        "prompt",
+        "reader",
+        "separators",
+        "strip",
+        "usage",
+    )
 
     @classmethod
     def for_plan(cls, plan: UsagePlan | None) -> StreamTap:
         if plan is None:
             return cls(strip=False)
-        return cls(plan.added, plan.preamble)
+        return cls(plan.added, plan.preamble, plan.reader)
 
-    def __init__(self, strip: bool, preamble: int = 0) -> None:
+    def __init__(
+        self,
+        strip: bool,
+        preamble: int = 0,
+        reader: Callable[[bytes], EventUsage | None] | None = None,
+    ) -> None:
         self.strip = strip
         # What sends a read off the fast path (the module's docstring says why one suffices).
         # Stripping, b"" (found in any read) until the first event says the shape (_decide).
@@ -258,6 +295,10 @@ class StreamTap:
         self.events = 0
         self.usage: Usage | None = None
         self.held: list[bytes] | None = None  # finishing events waiting for the fingerprint
+        # Another protocol's events (protocols/): read by its own reader, never stripped
+        # (their streams always carry their counts). The mark stays ``"usage"``.
+        self.reader = reader
+        self.prompt: int | None = None  # the engine's prompt count, before its final count
 
     # ---- the splice path: whole HTTP/1.1 chunks, one SSE event each ----------------------
     def wire(self, wire: bytes, chunks: int = 0) -> bytes:
@@ -348,6 +389,13 @@ class StreamTap:
 
     def _take_usage(self, payload: bytes, out: list[bytes]) -> bool:
         """Whether ``payload`` was the usage event and is not for the client."""
+        if self.reader is not None:
+            got = self.reader(payload)
+            if got is not None and got.completion is None:
+                self.prompt = got.prompt
+            elif got is not None and got.completion is not None:
+                self.usage = Usage(got.prompt, got.completion)
+            return False  # the client asked for this protocol's stream as it is
         found = _read_usage_event(payload)
         if found is None:
             return False  # continuous usage on a token event (the client asked): pass on
@@ -396,5 +444,6 @@ def charged(meter: Metering, plan: UsagePlan | None) -> Usage:
     # a stream is charged the token events read (the engine stops within a step of its
     # connection closing), a whole answer everything it was allowed (nothing says less).
     if tap is not None:
-        return Usage(plan.prompt_bound, tap.produced())
+        prompt = tap.prompt if tap.prompt is not None else plan.prompt_bound
+        return Usage(prompt, tap.produced())
     return Usage(plan.prompt_bound, 0 if plan.stream else plan.completion_bound)

@@ -14,10 +14,16 @@ from typing import TYPE_CHECKING
 import aiohttp
 from aiohttp import web
 
-from appliance.gateway.answers import EngineCall, end_with_error_event, read_whole, stream_response
+from appliance.gateway.answers import (
+    EngineCall,
+    answer_usage,
+    end_with_error_event,
+    read_whole,
+    stream_response,
+)
 from appliance.gateway.failures import RETRYABLE_STATUS, EngineFailure, failure_if_abandoned
 from appliance.gateway.http1 import MAX_CHUNK_BYTES, AnswerTooLarge
-from appliance.gateway.usage_events import StreamTap, usage_of_answer
+from appliance.gateway.usage_events import StreamTap
 
 if TYPE_CHECKING:
     from appliance.gateway.app import Gateway
@@ -68,8 +74,10 @@ async def relay_via_client(gw: Gateway, call: EngineCall) -> web.StreamResponse 
 async def _post(gw: Gateway, call: EngineCall) -> aiohttp.ClientResponse | EngineFailure:
     """The engine's response head, or why there is none (abandon() included)."""
     address = call.address
+    session = gw.session_for(address)
+    send = session.post if call.method == "POST" else session.get  # GET: a retrieve
     try:
-        return await gw.session_for(address).post(
+        return await send(
             address.base_url + call.path,
             data=call.parsed.body,
             headers=call.headers,
@@ -97,7 +105,7 @@ async def _answer_whole(
         content_type=upstream.content_type or "application/json",
     )
     gw.metrics.first_byte(call.parsed.route, call.parsed.model, call.started)
-    call.meter.answer = usage_of_answer(body)  # counted by the relay, however the try ends
+    call.meter.answer = answer_usage(call, body)  # counted by the relay, however it ends
     return resp
 
 
@@ -147,7 +155,7 @@ async def _stream_events(
         if first:
             raise
         await _write_rest(resp, tap.flush_sse(pending, broken=True))
-        await end_with_error_event(request, resp, type(exc).__name__)
+        await end_with_error_event(call, resp, type(exc).__name__)
     if first:
         await resp.prepare(request)  # an empty stream: still a valid (empty) answer
     await _write_rest(resp, tap.flush_sse(pending))

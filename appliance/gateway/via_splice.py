@@ -14,12 +14,18 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from appliance.gateway.answers import EngineCall, end_with_error_event, read_whole, stream_response
+from appliance.gateway.answers import (
+    EngineCall,
+    answer_usage,
+    end_with_error_event,
+    read_whole,
+    stream_response,
+)
 from appliance.gateway.failures import RETRYABLE_STATUS, EngineFailure, failure_if_abandoned
 from appliance.gateway.http1 import Head, UpstreamError, request_bytes
 from appliance.gateway.splice import UpstreamConnection
 from appliance.gateway.upstream_pool import UpstreamPool
-from appliance.gateway.usage_events import StreamTap, usage_of_answer
+from appliance.gateway.usage_events import StreamTap
 
 if TYPE_CHECKING:
     from appliance.gateway.app import Gateway
@@ -76,7 +82,7 @@ async def _until_first_chunk(
         if head.status != 200 or not head.chunked:
             body = await read_whole(gw.appliance.config.gateway.max_answer_bytes, conn.read_body)
             gw.metrics.first_byte(call.parsed.route, call.parsed.model, call.started)
-            call.meter.answer = usage_of_answer(body)
+            call.meter.answer = answer_usage(call, body)
             return web.Response(
                 status=head.status,
                 body=body,
@@ -113,5 +119,5 @@ async def _splice_stream(
         if transport is None or transport.is_closing():
             request["status"] = 499  # the client went away: nothing to tell it
             return False
-        await end_with_error_event(request, resp, str(exc))
+        await end_with_error_event(call, resp, str(exc))
     return True

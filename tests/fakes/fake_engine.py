@@ -61,6 +61,11 @@ from typing import Any
 
 from aiohttp import web
 
+try:
+    from tests.fakes.fake_protocols import ProtocolRoutes
+except ImportError:  # run as a script without the repository on sys.path: its folder is
+    from fake_protocols import ProtocolRoutes  # type: ignore[import-not-found,no-redef]
+
 VERSION = "0.32.0-fake"
 EMBEDDING_DIM = 8
 SYSTEM_FINGERPRINT = "vllm-0.32.0-fake-0123abcd"
@@ -456,6 +461,7 @@ class FakeEngine:
         r.add_post("/v1/chat/completions", self.chat_completions)
         r.add_post("/v1/completions", self.completions)
         r.add_post("/v1/embeddings", self.embeddings)
+        ProtocolRoutes(self).add_routes(r)  # responses, messages, tokenize, score, rerank
         r.add_get("/fake/stats", self.fake_stats)
         r.add_post("/fake/control", self.fake_control)
         return app

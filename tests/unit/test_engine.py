@@ -313,6 +313,11 @@ def test_env_is_offline_tagged_and_keeps_the_base(gpu: int | None) -> None:
     assert base_before == BASE  # the base is not modified
 
 
+def test_env_turns_on_vllms_response_store() -> None:
+    # Without it vLLM 0.32 ignores store: true, and previous_response_id is its 404.
+    assert env_for(Config(), gpu=None)["VLLM_ENABLE_RESPONSES_API_STORE"] == "1"
+
+
 TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
 IOMP = "/var/lib/llm-appliance/engine-venv/lib/libiomp5.so"
 

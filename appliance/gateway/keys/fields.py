@@ -36,9 +36,14 @@ _ID_INPUT_RE = re.compile(r"[0-9A-Fa-f]{8}")  # explicit ranges: never Unicode d
 _HASH_RE = re.compile(r"[0-9a-f]{64}")
 
 
+# vLLM's routes outside /v1 that the gateway relays (tokenizer, scoring, Cohere's rerank).
+USER_PATHS = frozenset(("/tokenize", "/detokenize", "/score", "/rerank"))
+
+
 def required_scope(path: str) -> str | None:
-    """The scope an HTTP path needs: /v1 -> user, /metrics -> metrics, /admin -> admin."""
-    if path == "/v1" or path.startswith("/v1/"):
+    """The scope an HTTP path needs: /v1 (and /v2, and the relayed routes outside them)
+    -> user, /metrics -> metrics, /admin -> admin."""
+    if path in ("/v1", "/v2") or path.startswith(("/v1/", "/v2/")) or path in USER_PATHS:
         return "user"
     if path == "/metrics":
         return "metrics"

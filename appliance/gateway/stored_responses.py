@@ -1,0 +1,105 @@
+"""Which engine holds each stored response, and whose it is.
+
+vLLM keeps a stored response (Responses API, ``store``) in the memory of the engine that
+made it, and nowhere else: a retrieve, a cancel or a ``previous_response_id`` sent to
+another engine of the same model gets that engine's 404, and one sent after the engine
+restarted gets a 404 about an id it never saw. So the gateway remembers, for each
+response id it chose (protocols/responses.py writes the id into the request), the engine
+and the spawn of it that made the response, and the key that asked:
+
+- a request naming the id goes to that engine only (no other engine, no fallback, no
+  retry elsewhere: each would answer "not found");
+- an id this gateway never gave out, or gave out to another key, is 404 "no stored
+  response": the same answer for both, so a key cannot learn that another key's id
+  exists (ids are 128 random bits, and the key is checked too);
+- an engine that restarted since (its spawn differs: its process and restart count)
+  lost its stored responses: a 404 that says so, rather than the engine's puzzling one.
+
+The map is bounded (:data:`MAX_KEPT`, least recently made or used goes first) and lives
+in the daemon's memory: a daemon restart restarts the engines too, so nothing it forgets
+could still be read. vLLM's own store is unbounded (``VLLM_ENABLE_RESPONSES_API_STORE``
+warns of it); a response this map forgot stays in the engine's memory until it restarts.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from appliance.control import EngineStatus
+from appliance.gateway.errors import GatewayError
+
+MAX_KEPT = 100_000  # ids remembered: ~200 bytes each
+
+
+@dataclass(frozen=True, slots=True)
+class Holder:
+    """The engine (and which spawn of it) that made a stored response, for whom."""
+
+    engine_id: int
+    spawn: tuple[int, int | None]  # (restarts, pid): changes whenever the engine restarts
+    key_id: str
+    model: str
+
+
+def spawn_of(engine: EngineStatus) -> tuple[int, int | None]:
+    return (engine.restarts, engine.pid)
+
+
+def not_found(response_id: str, param: str, why: str) -> GatewayError:
+    shown = response_id if len(response_id) <= 64 else response_id[:61] + "..."
+    return GatewayError(
+        404,
+        f"no stored response '{shown}': {why}",
+        param=param,
+        code="response_not_found",
+        reason="response_not_found",
+    )
+
+
+class StoredResponses:
+    """The bounded map from response id to the :class:`Holder` that made it."""
+
+    def __init__(self, limit: int = MAX_KEPT) -> None:
+        self.limit = limit
+        self._held: collections.OrderedDict[str, Holder] = collections.OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def record(self, response_id: str, holder: Holder) -> None:
+        """``holder`` made (or is making) ``response_id``; a retry on another engine
+        overwrites the first try's."""
+        self._held[response_id] = holder
+        self._held.move_to_end(response_id)
+        while len(self._held) > self.limit:
+            self._held.popitem(last=False)
+
+    def holder(
+        self,
+        response_id: str,
+        key_id: str,
+        engine: Callable[[int], EngineStatus | None],
+        param: str = "response_id",
+    ) -> Holder:
+        """The holder of ``response_id`` for the key ``key_id`` whose engine still runs
+        the spawn that made it; else a 404 saying why (the module's docstring)."""
+        held = self._held.get(response_id)
+        if held is None or held.key_id != key_id:
+            raise not_found(
+                response_id,
+                param,
+                "this server made none with that id for this key (stored responses live "
+                "in the engine that made them; store: false keeps none)",
+            )
+        now = engine(held.engine_id)
+        if now is None or spawn_of(now) != held.spawn:
+            raise not_found(
+                response_id,
+                param,
+                f"the engine that made it (engine {held.engine_id}) has restarted since, "
+                "and stored responses are lost when an engine restarts",
+            )
+        self._held.move_to_end(response_id)
+        return held
