@@ -15,8 +15,8 @@ Requests that find no room wait in a bounded queue, interactive before batch; un
 pressure batch is shed first. A waiter too large for the room any engine has *now* does
 not hold up smaller ones behind it: they go first while it waits, until it has waited
 ``gateway.queue_aging_s``; then nobody of its model passes it (batch included), so engines
-drain until it fits. Interactive waiters that fit are always served before batch ones. Everything here is synchronous except waiting, so a
-release hands the freed slot to the next waiter without a scheduling gap.
+drain until it fits. Interactive waiters that fit are always served before batch ones.
+All but waiting is synchronous: a release hands the slot on without a scheduling gap.
 
 Several models ([[models]]): a request names its model, and everything above happens
 among that model's engines only (:func:`appliance.gateway.models.candidates`), with that

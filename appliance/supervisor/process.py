@@ -26,6 +26,8 @@ from appliance.engine import EngineSpec, RestartReason, new_api_key, with_batche
 from appliance.supervisor import exits
 from appliance.telemetry import GpuReading
 
+# How long an exit waits for the engine's last output to be read (wait()).
+OUTPUT_DRAIN_S = 1.0
 log = logging.getLogger("appliance.supervisor")
 
 GPU_MEMORY_WAIT_S = 60.0
@@ -177,9 +179,16 @@ class EngineProcess:
             transport.close()
 
     async def wait(self) -> int:
-        """Until the API server exits; its return code."""
+        """Until the API server exits; its return code. What it wrote before it exited
+        is read first (up to OUTPUT_DRAIN_S): its last line is often why it exited, and
+        on a loaded box the relay can still be behind when the exit is seen."""
         assert self._proc is not None
-        return await self._proc.wait()
+        code = await self._proc.wait()
+        if self._relay is not None:
+            # EOF comes once every writer is gone; a child still holding the pipe (an
+            # orphaned EngineCore) would keep it open, hence the bound.
+            await asyncio.wait({self._relay}, timeout=OUTPUT_DRAIN_S)
+        return code
 
     async def wait_exit(self, timeout_s: float) -> None:
         """Until the API server exits or ``timeout_s`` passes, whichever is first."""

@@ -37,6 +37,7 @@ async def wait_ready(
     deadline = time.monotonic() + allowed
     while not host.stopping:
         if proc.returncode is not None:
+            await proc.wait()  # its last output read first: often the reason it exited
             return proc.log_exit("while starting")
         if time.monotonic() > deadline:
             log.error(
