@@ -36,11 +36,17 @@ _ID_INPUT_RE = re.compile(r"[0-9A-Fa-f]{8}")  # explicit ranges: never Unicode d
 _HASH_RE = re.compile(r"[0-9a-f]{64}")
 
 
+# Read-only routes under /admin that a `metrics` key may read: the status page's data
+# (the page itself, /ui, needs no key; what it shows comes from here).
+METRICS_READS = frozenset({"/admin/history"})
+
+
 def required_scope(path: str) -> str | None:
-    """The scope an HTTP path needs: /v1 -> user, /metrics -> metrics, /admin -> admin."""
+    """The scope an HTTP path needs: /v1 -> user, /metrics and the status page's data ->
+    metrics, the rest of /admin -> admin; none for the probes and the page's own files."""
     if path == "/v1" or path.startswith("/v1/"):
         return "user"
-    if path == "/metrics":
+    if path == "/metrics" or path in METRICS_READS:
         return "metrics"
     if path == "/admin" or path.startswith("/admin/"):
         return "admin"
