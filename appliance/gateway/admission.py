@@ -108,6 +108,11 @@ class Admission:
     def queue_depth(self) -> int:
         return len(self._interactive) + len(self._batch)
 
+    @property
+    def queued(self) -> tuple[int, int]:
+        """Requests waiting now: (interactive, batch)."""
+        return len(self._interactive), len(self._batch)
+
     def loads(self, model: str | None = None) -> list[EngineLoad]:
         """Each engine of ``model`` (None: every engine) as routing sees it, with its own
         model's budgets."""

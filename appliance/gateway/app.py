@@ -46,6 +46,7 @@ from appliance.gateway.protocols import shape_of_path
 from appliance.gateway.proxy import Relay
 from appliance.gateway.ratelimit import RateLimiter
 from appliance.gateway.server import BodyTimeout, ConnectionLimits, GatewayRunner, ensure_fd_room
+from appliance.gateway.ui import StatusPage
 from appliance.gateway.upstream_pool import UpstreamPool
 from appliance.gateway.usage import UsageBook, usage_path
 from appliance.state_writes import WriteHealth
@@ -240,8 +241,9 @@ def _refuse_encoded_body(request: web.Request) -> None:
 def _check_access(gw: Gateway, request: web.Request) -> None:
     """The key the route's scope needs (none for open routes, nor /metrics made public)."""
     scope = required_scope(request.path)
+    # metrics_public opens /metrics alone: the status page's data still needs a key.
     if scope is not None and not (
-        scope == "metrics" and gw.appliance.config.gateway.metrics_public
+        request.path == "/metrics" and gw.appliance.config.gateway.metrics_public
     ):
         _authenticate(gw, request, scope)
 
@@ -335,6 +337,7 @@ def create_app(appliance: Appliance, audit: AuditLog | None = None) -> web.Appli
     r.add_get("/v1/responses/{response_id}", gw.relay.stored_response)
     r.add_post("/v1/responses/{response_id}/cancel", gw.relay.stored_response)
     Admin(gw).add_routes(r)
+    StatusPage(gw).install(app)  # /ui, / and /admin/history; its history sampler
     app.on_response_prepare.append(add_model_header)
     app.on_startup.append(gw.on_startup)
     app.on_cleanup.append(gw.on_cleanup)

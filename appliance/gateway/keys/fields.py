@@ -38,14 +38,18 @@ _HASH_RE = re.compile(r"[0-9a-f]{64}")
 
 # vLLM's routes outside /v1 that the gateway relays (tokenizer, scoring, Cohere's rerank).
 USER_PATHS = frozenset(("/tokenize", "/detokenize", "/score", "/rerank"))
+# Read-only routes under /admin that a `metrics` key may read: the status page's data
+# (the page itself, /ui, needs no key; what it shows comes from here).
+METRICS_READS = frozenset({"/admin/history"})
 
 
 def required_scope(path: str) -> str | None:
     """The scope an HTTP path needs: /v1 (and /v2, and the relayed routes outside them)
-    -> user, /metrics -> metrics, /admin -> admin."""
+    -> user, /metrics and the status page's data -> metrics, the rest of /admin -> admin;
+    none for the probes and the page's own files."""
     if path in ("/v1", "/v2") or path.startswith(("/v1/", "/v2/")) or path in USER_PATHS:
         return "user"
-    if path == "/metrics":
+    if path == "/metrics" or path in METRICS_READS:
         return "metrics"
     if path == "/admin" or path.startswith("/admin/"):
         return "admin"
