@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import functools
+import re
 import time
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -98,13 +100,41 @@ def assess(
 
 
 def metric_sums(text: str, names: Collection[str]) -> dict[str, float]:
-    """Sum the samples of each named metric over all label sets (vLLM labels per model)."""
+    """Sum the samples of each named metric over all label sets (vLLM labels per model).
+
+    Every health check reads ``/metrics``, and vLLM's is hundreds of lines (histograms,
+    Python's own figures) of which a handful are used: only the lines of ``names`` are
+    found (one regex pass in C) and parsed. A text where none of them is found gets the
+    full parser, so one that is not Prometheus text still raises ValueError.
+    """
     out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name in names:
-                out[sample.name] = out.get(sample.name, 0.0) + float(sample.value)
+    if not names:
+        return out
+    wanted = names if isinstance(names, frozenset) else frozenset(names)
+    for match in _samples_of(wanted).finditer(text):
+        name = match[1]
+        out[name] = out.get(name, 0.0) + float(match[2])
+    if not out and text.strip():
+        for family in text_string_to_metric_families(text):  # raises on garbage
+            for sample in family.samples:
+                if sample.name in names:  # a layout the regex does not know
+                    out[sample.name] = out.get(sample.name, 0.0) + float(sample.value)
     return out
+
+
+@functools.lru_cache(maxsize=8)
+def _samples_of(names: frozenset[str]) -> re.Pattern[str]:
+    """A sample line of one of ``names``: ``name{labels} value [timestamp]``.
+
+    The labels run to the line's last ``}`` (a label value may hold braces and spaces;
+    the value and timestamp never do); the name must end there, so ``x_total`` is not
+    read as ``x``.
+    """
+    alternatives = "|".join(re.escape(n) for n in sorted(names))
+    return re.compile(
+        rf"^({alternatives})(?:\{{[^\n]*\}})?[ \t]+([^ \t\n]+)(?:[ \t]+[^ \t\n]+)?[ \t]*$",
+        re.MULTILINE,
+    )
 
 
 async def read_metrics(

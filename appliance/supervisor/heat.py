@@ -95,7 +95,7 @@ class HeatWatch:
             self.levels[index] = new
         for runner in runners:
             # A tensor-parallel engine is as hot as its hottest GPU.
-            index = max(runner.status().telemetry_indexes, key=lambda i: self.levels.get(i, 0))
+            index = max(runner.telemetry_indexes, key=lambda i: self.levels.get(i, 0))
             level = self.levels.get(index, 0)
             link.set_throttle(runner.id, level)
             run = self._runs.get(index)

@@ -91,6 +91,9 @@ class EngineRunner:
         self._state = EngineState.EXITED  # where it is in its life
         self._ready_since: float | None = None
         self._asked = AskedChecks()  # the gateway's CheckNow askers, for the next check
+        # The telemetry entries of its GPUs, fixed by the spec: the heat loop asks every
+        # reading, and needs no whole status copy for it.
+        self.telemetry_indexes = self.status().telemetry_indexes
 
     # ---- what others may read and ask -----------------------------------------------
     @property

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from typing import Any
 
 import aiohttp
 import pytest
 from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
 
 from appliance import health
 from appliance.health import HealthHistory, Observation, Verdict, assess, metric_sums
@@ -438,3 +440,49 @@ async def test_a_tensor_parallel_engine_waits_for_the_memory_of_all_its_gpus() -
 
     await asyncio.wait_for(proc.wait_resources_free(readings, lambda: False, 0.01), 5)
     assert reads == 3
+
+
+# Lines the sample finder must read as the full Prometheus parser does: label values with
+# braces, spaces and escaped quotes, a timestamp, special values, a longer name that
+# starts with a wanted one, a histogram's many lines, and CRLF line ends.
+TRICKY_METRICS = (
+    "# HELP vllm:num_requests_running Requests running.\n"
+    "# TYPE vllm:num_requests_running gauge\n"
+    'vllm:num_requests_running{model_name="a} b",engine="0"} 2.0\n'
+    'vllm:num_requests_running{model_name="say \\"hi\\" {x}",engine="1"} 3.0 1700000000000\n'
+    "vllm:num_requests_running_extra 100.0\n"
+    "vllm:kv_cache_usage_perc NaN\n"
+    'vllm:num_preemptions_total{engine="0"} +Inf\r\n'
+    + "".join(
+        f'vllm:e2e_request_latency_seconds_bucket{{le="{le}",model_name="m"}} {i}.0\n'
+        for i, le in enumerate(["0.3", "0.5", "1.0", "+Inf"])
+    )
+    + 'vllm:generation_tokens_total{engine="0",model_name="m"} 1.5e3\n'
+)
+
+
+def reference_sums(text: str, names: set[str]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in names:
+                out[sample.name] = out.get(sample.name, 0.0) + float(sample.value)
+    return out
+
+
+@pytest.mark.parametrize(
+    "names",
+    [
+        {"vllm:num_requests_running"},
+        {"vllm:generation_tokens_total", "vllm:num_preemptions_total"},
+        {"vllm:e2e_request_latency_seconds_bucket"},
+        {"vllm:kv_cache_usage_perc"},
+        {"vllm:num_requests_waiting"},
+    ],
+)
+def test_metric_sums_reads_lines_as_the_prometheus_parser_does(names: set[str]) -> None:
+    got = metric_sums(TRICKY_METRICS, frozenset(names))
+    want = reference_sums(TRICKY_METRICS, names)
+    assert got.keys() == want.keys()
+    for name, value in want.items():
+        assert got[name] == value or (math.isnan(got[name]) and math.isnan(value))

@@ -65,6 +65,7 @@ class TensorParallelRunner:
 
     def __init__(self) -> None:
         self.told: list[object] = []
+        self.telemetry_indexes = self.status().telemetry_indexes
 
     def status(self) -> EngineStatus:
         return EngineStatus(
