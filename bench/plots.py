@@ -5,6 +5,8 @@ and a path, and writes a PNG there:
 
 - :func:`gateway_overhead`: the latency the gateway adds and its CPU µs per relayed
   chunk, against concurrency (unix and tcp side by side when both were measured);
+- :func:`vs_nginx`: the appliance and nginx on the same engine: CPU µs per chunk,
+  TTFT added and throughput × direct, against concurrency;
 - :func:`heat_routing`: latency p50/p99 and throughput, heat-aware vs round-robin;
 - :func:`restart_under_load` and :func:`soak`: a timeline of the run (requests per
   second by outcome, per-second p99 latency, each engine's state, restarts and the
@@ -130,6 +132,53 @@ def gateway_overhead(result: dict[str, Any], path: Path) -> None:
 
 
 # ---------------------------------------------------------------------------- heat
+
+
+PROXY_STYLE = {"appliance": ("tab:blue", "o"), "nginx": ("tab:green", "s")}
+
+
+def vs_nginx(result: dict[str, Any], path: Path) -> None:
+    """bench.vs_nginx: left, each proxy's CPU µs per relayed chunk (raw, and net of its
+    background); middle, the TTFT it adds; right, its throughput × direct, by concurrency."""
+    fig = _figure(13, 3.8)
+    cpu_ax, ttft_ax, thr_ax = fig.subplots(1, 3)
+    levels = sorted(int(k) for k in result)
+    for proxy, (color, marker) in PROXY_STYLE.items():
+        rows = [result[str(n)].get(proxy) for n in levels]
+        if any(r is None for r in rows):
+            continue
+        cpu_ax.plot(
+            levels,
+            [r["cpu_us_per_chunk_raw"] for r in rows],
+            color=color,
+            marker=marker,
+            label=f"{proxy} raw",
+        )
+        cpu_ax.plot(
+            levels,
+            [r["cpu_us_per_chunk_net"] for r in rows],
+            color=color,
+            marker=marker,
+            linestyle="--",
+            label=f"{proxy} net",
+        )
+        ttft_ax.plot(
+            levels, [r["added_ttft_p50_ms"] for r in rows], color=color, marker=marker, label=proxy
+        )
+        thr_ax.plot(levels, [r["ratio"] for r in rows], color=color, marker=marker, label=proxy)
+    cpu_ax.set_title("Proxy CPU per relayed chunk")
+    cpu_ax.set_ylabel("CPU µs per SSE chunk")
+    cpu_ax.set_ylim(bottom=0)
+    ttft_ax.set_title("TTFT p50 added (proxy − direct)")
+    ttft_ax.set_ylabel("ms")
+    ttft_ax.axhline(0, color="black", linewidth=0.8)
+    thr_ax.set_title("Throughput × direct")
+    thr_ax.axhline(1, color="black", linewidth=0.8)
+    for ax in (cpu_ax, ttft_ax, thr_ax):
+        _levels_axis(ax, levels)
+        ax.set_xlabel("concurrent streams")
+        ax.legend(fontsize=8)
+    _save(fig, path)
 
 
 def heat_routing(result: dict[str, Any], path: Path) -> None:
