@@ -52,7 +52,7 @@ from appliance.supervisor.commands import (
 )
 from appliance.supervisor.inbox import Inbox
 from appliance.supervisor.planned import PlannedRestart
-from appliance.supervisor.runner_status import engine_status
+from appliance.supervisor.runner_status import StatusCopy
 from appliance.supervisor.waits import (
     UNRESPONSIVE_GRACE_S,
     back_off,
@@ -89,6 +89,7 @@ class EngineRunner:
         self._plan = PlannedRestart(spec, self._book, config)  # restart asked for, batch size
         self._task: asyncio.Task[Any] | None = None  # the one task allowed to change state
         self._state = EngineState.EXITED  # where it is in its life
+        self._copy = StatusCopy(spec, process, self._book, self._health)  # what others read
         self._ready_since: float | None = None
         self._asked = AskedChecks()  # the gateway's CheckNow askers, for the next check
         # The telemetry entries of its GPUs, fixed by the spec: the heat loop asks every
@@ -110,14 +111,7 @@ class EngineRunner:
         return self._plan.batched_tokens is not None
 
     def status(self) -> EngineStatus:
-        return engine_status(
-            self.spec,
-            self._state,
-            self._process,
-            self._book,
-            self._health.observed,
-            self._health.spec_figures(),
-        )
+        return self._copy.of(self._state)  # the same copy until something in it changed
 
     async def ask(self, command: Command) -> CommandResult:
         """Hand ``command`` to the runner's task; its answer (the caller bounds the wait)."""
