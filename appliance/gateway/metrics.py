@@ -48,9 +48,31 @@ class GatewayMetrics:
             self.fallbacks,
         ) = _admission_metrics(r)
 
+        # Each series' child, kept: labels() per request is a validation, a lock and a
+        # dict look-up (3 per request, #24). The label values are bounded (routes,
+        # statuses, configured models), so are these dicts.
+        self._answered: dict[tuple[str, int, str], tuple[Any, Any]] = {}
+        self._ttft: dict[tuple[str, str], Any] = {}
+
+    def answered(self, route: str, status: int, model: str, started: float) -> None:
+        """A request was answered (``started``: monotonic): counted, and its duration."""
+        key = (route, status, model)
+        children = self._answered.get(key)
+        if children is None:
+            children = (
+                self.requests.labels(route, str(status), model),
+                self.duration.labels(route, model),
+            )
+            self._answered[key] = children
+        children[0].inc()
+        children[1].observe(time.monotonic() - started)
+
     def first_byte(self, route: str, model: str, started: float) -> None:
         """The first byte of an answer left for the client (``started``: monotonic)."""
-        self.ttft.labels(route, model).observe(time.monotonic() - started)
+        child = self._ttft.get((route, model))
+        if child is None:
+            child = self._ttft[(route, model)] = self.ttft.labels(route, model)
+        child.observe(time.monotonic() - started)
 
     def attach(self, view: ApplianceView, admission: Admission) -> None:
         self.registry.register(_LiveCollector(view, admission))

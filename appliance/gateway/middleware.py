@@ -179,5 +179,4 @@ async def gateway_middleware(request: web.Request, handler: Any) -> web.StreamRe
     finally:
         # The model label is a configured name once the relay resolved one, else "".
         model = request.get("model", UNKNOWN_MODEL)
-        gw.metrics.requests.labels(route, str(status), model).inc()
-        gw.metrics.duration.labels(route, model).observe(time.monotonic() - started)
+        gw.metrics.answered(route, status, model, started)
