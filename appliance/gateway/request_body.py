@@ -9,7 +9,6 @@ is the same for all.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -137,10 +136,13 @@ def finish_body(
     cost = spec.cost(body, limits, max_model_len)
     raw = opened.raw
     # may add stream_options; keeps what a request cut off before its count is charged
-    plan = plan_usage(route, opened.stream, body, max_model_len, cost.completion_bound)
-    # The route's own readers of its counts (protocols/).
-    plan = dataclasses.replace(
-        plan,
+    plan = plan_usage(
+        route,
+        opened.stream,
+        body,
+        max_model_len,
+        cost.completion_bound,
+        # The route's own readers of its counts (protocols/).
         preamble=spec.preamble,
         bound=spec.prompt_bound,
         reader=spec.event_usage,

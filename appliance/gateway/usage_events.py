@@ -119,16 +119,38 @@ class UsagePlan:
 
 
 def plan_usage(
-    route: str, stream: bool, body: dict[str, Any], max_model_len: int, completion_bound: int = 0
+    route: str,
+    stream: bool,
+    body: dict[str, Any],
+    max_model_len: int,
+    completion_bound: int = 0,
+    *,
+    preamble: int | None = None,
+    bound: Callable[[Mapping[str, Any], int], int] | None = None,
+    reader: Callable[[bytes], EventUsage | None] | None = None,
+    answer: Callable[[bytes], Usage | None] | None = None,
 ) -> UsagePlan:
     """Ask for the stream's usage event when the client did not (``body`` is updated);
     what the upper bound needs is kept, for a request cut off before its count. Routes
-    whose streams always carry their counts (protocols/) are asked nothing."""
-    preamble = 1 if route == "chat" else 0
+    whose streams always carry their counts (protocols/) are asked nothing. The route's
+    own readers (``preamble`` .. ``answer``, see UsagePlan) go in the plan as it is made:
+    one object per request, not a copy with them put in."""
+    if preamble is None:
+        preamble = 1 if route == "chat" else 0
 
     def plan(added: bool, rewrite: bool = False) -> UsagePlan:
         return UsagePlan(
-            added, body, route, stream, max_model_len, completion_bound, rewrite, preamble
+            added,
+            body,
+            route,
+            stream,
+            max_model_len,
+            completion_bound,
+            rewrite,
+            preamble,
+            bound,
+            reader,
+            answer,
         )
 
     if not stream or route not in ROUTES_WITH_STREAM_USAGE:
