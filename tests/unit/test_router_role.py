@@ -29,10 +29,11 @@ pytestmark = pytest.mark.skipif(
 yaml = pytest.importorskip("yaml", reason="PyYAML comes with ansible-core, which is missing")
 
 ROLE = ANSIBLE_DIR / "roles" / "llm_appliance_router"
-INVENTORY = """\
+BOX2 = "llm_appliance_gateway_tls_cert=/etc/ssl/box.pem llm_appliance_gateway_port=8443"
+INVENTORY = f"""\
 [llm_appliance]
 box1 ansible_host=192.0.2.10
-box2 ansible_host=192.0.2.11 llm_appliance_gateway_tls_cert=/etc/ssl/box.pem llm_appliance_gateway_port=8443
+box2 ansible_host=192.0.2.11 {BOX2}
 box3 ansible_host=2001:db8::3 llm_appliance_router_worker_address=box3.lan
 
 [llm_appliance_router]
