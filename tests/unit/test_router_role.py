@@ -167,8 +167,14 @@ def _validate(tmp: Path, extra: dict[str, Any], inventory: str = INVENTORY) -> s
     return ("ok " if proc.returncode == 0 else "failed ") + proc.stdout + proc.stderr
 
 
-def test_good_variables_pass(tmp_path: Path) -> None:
-    assert _validate(tmp_path, {}).startswith("ok "), _validate(tmp_path, {})
+@pytest.mark.parametrize(
+    "extra",
+    [{}, {"llm_appliance_router_host": "0.0.0.0", "llm_appliance_router_allow_lan": True}],
+    ids=["defaults", "LAN said explicitly"],
+)
+def test_good_variables_pass(tmp_path: Path, extra: dict[str, Any]) -> None:
+    out = _validate(tmp_path, extra)
+    assert out.startswith("ok "), out[-2000:]
 
 
 @pytest.mark.parametrize(
@@ -178,8 +184,9 @@ def test_good_variables_pass(tmp_path: Path) -> None:
         ({"llm_appliance_router_port": 70000}, INVENTORY, "llm_appliance_router_port = 70000"),
         ({"llm_appliance_router_extra_args": ["--x y"]}, INVENTORY, "must be one word"),
         ({}, "[llm_appliance_router]\nlocalhost ansible_connection=local\n", "no boxes"),
+        ({"llm_appliance_router_host": "0.0.0.0"}, INVENTORY, "admin routes"),
     ],
-    ids=["policy", "port", "argument with a space", "no boxes"],
+    ids=["policy", "port", "argument with a space", "no boxes", "LAN without allow_lan"],
 )
 def test_bad_variables_fail_with_the_variable_named(
     tmp_path: Path, extra: dict[str, Any], inventory: str, said: str
