@@ -67,7 +67,7 @@ async def one_round(url: str, key: str, level: int, seconds: float) -> list[Resu
 
 def cpu_s(p: psutil.Process) -> float:
     t = p.cpu_times()
-    return t.user + t.system
+    return float(t.user + t.system)
 
 
 def report(
