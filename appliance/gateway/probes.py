@@ -1,9 +1,14 @@
-"""What monitoring asks the gateway: ``/healthz``, ``/readyz`` and ``/metrics``.
+"""What monitoring asks the gateway: ``/healthz``, ``/readyz``, ``/health`` and ``/metrics``.
 
 ``/healthz`` says whether the appliance's main loop still ticks; ``/readyz`` whether a
-new request can be served now (and, if not, why, per engine); ``/metrics`` is the
-gateway's Prometheus registry. Access (open routes, or the ``metrics`` scope) is the
-middleware's business (app.py), not these handlers'.
+new request can be served now (and, if not, why, per engine); ``/health`` is the same
+answer as ``/readyz`` under the path load balancers in front of vLLM probe: vllm-router
+waits for ``GET /health`` to say 200 before it starts, whatever its
+``--health-check-endpoint`` (measured, docs/several-boxes.md), and vLLM's own /health
+means "this server can serve", so a box that drains, is too hot or is starting must
+say 503 there too. ``/metrics`` is the gateway's Prometheus registry. Access (open
+routes, or the ``metrics`` scope) is the middleware's business (app.py), not these
+handlers'.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ class Probes:
     def add_routes(self, r: web.UrlDispatcher) -> None:
         r.add_get("/healthz", self.healthz)
         r.add_get("/readyz", self.readyz)
+        r.add_get("/health", self.readyz)  # what routers in front of vLLM probe
         r.add_get("/metrics", self.metrics)
 
     async def healthz(self, request: web.Request) -> web.Response:
