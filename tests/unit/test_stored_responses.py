@@ -13,13 +13,13 @@ from dataclasses import dataclass
 import pytest
 
 from appliance.gateway.errors import GatewayError
-from appliance.gateway.usage_events import EventUsage, Usage
 from appliance.gateway.stored_responses import (
     REPLAY,
     Holder,
     StoredResponses,
     replays_stream,
 )
+from appliance.gateway.usage_events import EventUsage, Usage
 
 
 @dataclass
