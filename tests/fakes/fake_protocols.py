@@ -139,7 +139,12 @@ class ProtocolRoutes:
             "total_tokens": prompt + n,
         }
         text = "".join(f" tok{t}" for t in range(n))
-        done = self._response(body, "completed", text, usage)
+        # vLLM 0.32: an answer cut by max_output_tokens is "incomplete" (with why), in a
+        # stream still sent as the response.completed event.
+        cut = n >= (body.get("max_output_tokens") or n + 1)
+        done = self._response(body, "incomplete" if cut else "completed", text, usage)
+        if cut:
+            done["incomplete_details"] = {"reason": "max_output_tokens"}
         if body.get("store") is not False:
             self.store[done["id"]] = done
         return done

@@ -22,7 +22,6 @@ from typing import Any
 from appliance.config import ServedModel
 from appliance.gateway.errors import GatewayError
 
-NEEDS_PARSER = "tools_not_enabled"
 ToolsReader = Callable[[Mapping[str, Any]], bool]
 
 
@@ -68,6 +67,6 @@ def tools_refusal(
         'check-config` lists vLLM\'s names). Send tool_choice "none" to use the model '
         "without tools.",
         param="tool_choice",
-        code=NEEDS_PARSER,
+        code="tools_not_enabled",
         reason="bad_request",
     )
