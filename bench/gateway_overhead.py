@@ -394,7 +394,7 @@ def report(args: argparse.Namespace, quiet: Any, data: dict[str, Any]) -> str:
         f"- listen: {listen}\n"
         f"- load: 1 fake engine, `--token-delay-ms {args.token_delay_ms:g}`, KV usage "
         f"reported {'1 % per running request' if kv == 'derived' else kv}, "
-        f"{args.tokens}-token streams on /v1/completions; closed loop; "
+        f"{args.tokens}-token streams on {route_stream(args.route, 0)[0]}; closed loop; "
         f"{args.rounds} rounds × {args.round_s:g} s per path per concurrency "
         f"(1 stream: {2 * args.rounds} rounds), direct/gateway alternating; "
         f"~{eps} SSE events per stream\n"
