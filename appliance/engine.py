@@ -320,10 +320,18 @@ def _custom_command(
 
 
 def _model_args(served: ServedModel, speculative_json: str) -> list[str]:
-    """What the model's own keys add: its runner, tensor parallelism, speculation."""
+    """What the model's own keys add: its runner, tensor parallelism, speculation, and
+    its tool-call and reasoning parsers (generate models only: a pooling runner has no
+    chat to parse, and [engine]'s parsers are every generate model's default)."""
     args = []
+    e = served.engine
     if served.task == "embed":
         args += ["--runner", "pooling"]  # vLLM 0.32: serves /v1/embeddings, not chat
+    else:
+        if e.tool_call_parser:
+            args += ["--enable-auto-tool-choice", "--tool-call-parser", e.tool_call_parser]
+        if e.reasoning_parser:
+            args += ["--reasoning-parser", e.reasoning_parser]
     if served.tensor_parallel_size > 1:
         args += ["--tensor-parallel-size", str(served.tensor_parallel_size)]
     if speculative_json:
@@ -372,9 +380,9 @@ def build_env(
             "LLM_APPLIANCE_ENGINE": engine_tag,
             # The Responses API's store (store: true, previous_response_id, retrieve,
             # cancel): off in vLLM 0.32 unless set, and then store is silently ignored.
-            # Its store is in the engine's memory, unbounded (docs/api.md); engine.env
-            # can set it to "0".
-            "VLLM_ENABLE_RESPONSES_API_STORE": "1",
+            # Its store is in the engine's memory, unbounded (docs/api.md): the model's
+            # responses_store turns it off (the gateway reads the same key).
+            "VLLM_ENABLE_RESPONSES_API_STORE": "1" if engine.responses_store else "0",
         }
     )
     if gpus:

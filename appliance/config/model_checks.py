@@ -6,12 +6,14 @@ Each message names the table (``models[1] ("embed")``) and says what would be ri
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 from appliance import paths
 from appliance.config.checks import check_engine_keys
 from appliance.config.fields import _show
 from appliance.config.models import ModelConfig, ServedModel, _packaged_ok
+from appliance.config.parsers import check_parsers
 
 if TYPE_CHECKING:
     from appliance.config.document import Config
@@ -24,6 +26,10 @@ def _label(i: int, m: ModelConfig) -> str:
 def check_models(cfg: Config, problems: list[str]) -> None:
     # [engine].model is every table's default, and the one model without tables.
     _packaged_ok("engine.model", cfg.engine.model, problems)
+    # [engine]'s parsers are every generate model's default; an embed model ignores them,
+    # unless it is the one model of a config without tables.
+    alone_embed = not cfg.models and cfg.served[0].task == "embed"
+    check_parsers(dataclasses.asdict(cfg.engine), "engine", problems, embed=alone_embed)
     if not cfg.models:
         return
     _check_engine_section(cfg, problems)
@@ -32,6 +38,7 @@ def check_models(cfg: Config, problems: list[str]) -> None:
     _check_fallbacks(cfg, problems)
     for i, (m, served) in enumerate(zip(cfg.models, cfg.served, strict=True)):
         _check_task(i, m, served, problems)
+        check_parsers(m.overrides, _label(i, m), problems, embed=served.task == "embed")
         if "command" in m.overrides or "env" in m.overrides:
             check_engine_keys(served.engine, _label(i, m), problems)
 

@@ -38,6 +38,9 @@ MODEL_ENGINE_KEYS: tuple[str, ...] = (
     "startup_timeout_s",
     "stop_timeout_s",
     "cpu_kvcache_space_gib",
+    "tool_call_parser",
+    "reasoning_parser",
+    "responses_store",
 )
 MODEL_KEYS: tuple[str, ...] = (
     "name",
