@@ -117,6 +117,7 @@ class ModelConfig:
     idle_unload_s: float = 900.0
     swap: Swap = "stop"
     load_timeout_s: float = 300.0
+    min_residency_s: float = 30.0
     adapters: tuple[Adapter, ...] = ()
 
 
@@ -138,6 +139,7 @@ class ServedModel:
     idle_unload_s: float = 900.0
     swap: Swap = "stop"
     load_timeout_s: float = 300.0
+    min_residency_s: float = 30.0
     adapters: tuple[Adapter, ...] = ()
 
     @property
@@ -214,6 +216,7 @@ def serve(engine: EngineConfig, models: Sequence[ModelConfig]) -> tuple[ServedMo
                 idle_unload_s=m.idle_unload_s,
                 swap=m.swap,
                 load_timeout_s=m.load_timeout_s,
+                min_residency_s=m.min_residency_s,
                 adapters=m.adapters,
             )
         )

@@ -27,9 +27,21 @@ Load = Literal["always", "on_demand"]
 Swap = Literal["stop", "sleep"]
 LOADS: tuple[str, ...] = get_args(Load)
 SWAPS: tuple[str, ...] = get_args(Swap)
-KEYS: tuple[str, ...] = ("load", "idle_unload_s", "swap", "load_timeout_s", "adapters")
+KEYS: tuple[str, ...] = (
+    "load",
+    "idle_unload_s",
+    "swap",
+    "load_timeout_s",
+    "min_residency_s",
+    "adapters",
+)
 IDLE_UNLOAD_MAX_S = 7 * 86400  # a week; 0 = never put away for idleness
 LOAD_TIMEOUT_BOUNDS = (1.0, 3600.0)
+BOUNDS: Mapping[str, tuple[float, float]] = {
+    "idle_unload_s": (0.0, float(IDLE_UNLOAD_MAX_S)),
+    "load_timeout_s": LOAD_TIMEOUT_BOUNDS,
+    "min_residency_s": (0.0, 3600.0),
+}
 ADAPTER_CONFIG = "adapter_config.json"  # what makes a folder a PEFT (LoRA) adapter
 
 # (default, type, what it does): docs/configuration.md's [[models]] rows.
@@ -55,6 +67,12 @@ KEY_DOCS: Mapping[str, tuple[str, str, str]] = {
         "300",
         "a number",
         "A request waits this long for its model to load, then 503 naming the model.",
+    ),
+    "min_residency_s": (
+        "30",
+        "a number",
+        "on_demand: once loaded, it is not swapped out for another model of its slot for "
+        "this long (damps swap storms; idle unload and the admin's unload still apply).",
     ),
     "adapters": (
         "[]",
@@ -82,7 +100,7 @@ def parse_key(path: str, key: str, value: Any, out: dict[str, Any], problems: li
         return True
     if key == "adapters":
         return _parse_adapters(path, value, out, problems)
-    low, high = (0.0, float(IDLE_UNLOAD_MAX_S)) if key == "idle_unload_s" else LOAD_TIMEOUT_BOUNDS
+    low, high = BOUNDS[key]
     number = isinstance(value, int | float) and not isinstance(value, bool)
     if not number or not low <= value <= high:
         problems.append(f"{path} = {_show(value)}: must be a number from {low:g} to {high:g} (s)")
