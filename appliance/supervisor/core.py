@@ -188,6 +188,8 @@ class Supervisor:
 
     def state_changed(self, engine_id: int, state: EngineState) -> None:
         self.coordinator.state_changed(engine_id, state)
+        if self._models is not None:  # its model follows at once (before waiters go)
+            self._models.follow(self._runners[engine_id].spec.model)
         self._link.engines_changed()
 
     # ---- entry point ----------------------------------------------------------------

@@ -95,7 +95,9 @@ class ModelsOnDemand:
     async def load_model(self, name: str) -> ModelResult:
         m = self._models.get(name)
         if m is None or not m.served.on_demand:
-            return self._refused(m, name, "is not an on-demand model; it is always loaded")
+            return self._refused(
+                m, name, 'is always loaded (load = "always"); only on-demand models load'
+            )
         if m.state is not ModelState.LOADED and m.waiting_since is None:
             m.waiting_since = time.monotonic()
             self._asked.set()
@@ -104,7 +106,9 @@ class ModelsOnDemand:
     async def unload_model(self, name: str) -> ModelResult:
         m = self._models.get(name)
         if m is None or not m.served.on_demand:
-            return self._refused(m, name, "is not an on-demand model; it cannot be unloaded")
+            return self._refused(
+                m, name, 'is always loaded (load = "always"); only on-demand models unload'
+            )
         m.waiting_since = None
         if m.state in (ModelState.LOADED, ModelState.LOADING):
             self._put_away(m, "asked by an admin")
@@ -147,6 +151,14 @@ class ModelsOnDemand:
             snaps = [self._snap(self._models[n]) for n in slot]
             for action in decide(snaps, now):
                 self._act(action, now)
+
+    def follow(self, name: str) -> None:
+        """An engine of ``name`` changed state: its model follows now (the runner's call,
+        on this loop), so a model is LOADED before the waiters its engine admits run."""
+        m = self._models.get(name)
+        if m is not None and m.served.on_demand:
+            self._follow(m, time.monotonic())
+            self._asked.set()
 
     def _snap(self, m: _Model) -> ModelSnap:
         link = self._link()
