@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from appliance import paths
-from appliance.config import MAX_GPUS, Config, EngineConfig, ServedModel
+from appliance.config import MAX_GPUS, Config, EngineConfig, ServedModel, on_demand
 from appliance.endpoint import EngineAddress, socket_path
 from appliance.engine import (
     CpuDtype,
@@ -189,6 +189,8 @@ def plan_engines(
     dtype; ``preload`` (None: what :func:`cpu_preload_libs` finds) goes in its LD_PRELOAD.
     """
     device = _device(config, gpu_count)
+    if problems := on_demand.sleep_on_cpu(config.served, device):
+        raise ConfigError(problems, config.source)
     groups, binds, core_sets = _engine_slots(config, device, gpu_count, cores)
     python = resolve_python(config, home)
     model_paths = _model_paths(config, home)

@@ -201,3 +201,14 @@ def slots(served: Sequence[Any], device: str) -> tuple[tuple[str, ...], ...]:
         key = "cpu" if device == "cpu" else tuple(sorted(m.gpus or ()))
         groups.setdefault(key, []).append(m.name)
     return tuple(tuple(g) for g in groups.values())
+
+
+def sleep_on_cpu(served: Sequence[Any], device: str) -> list[str]:
+    """check-config names swap = "sleep" with engine.device = "cpu"; with "auto" the box
+    decides at start (``device``): vLLM has no sleep mode on CPU."""
+    return [
+        f'models ("{m.name}").swap = "sleep": this box has no NVIDIA GPU and vLLM has no '
+        'sleep mode on CPU; use swap = "stop"'
+        for m in served
+        if device == "cpu" and m.load == "on_demand" and m.swap == "sleep"
+    ]
