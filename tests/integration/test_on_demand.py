@@ -132,6 +132,10 @@ def test_every_model_is_listed_and_on_demand_ones_start_unloaded(box: Box) -> No
     }
     assert box.metric("appliance_model_loaded", model="a") == 0
     assert box.metric("appliance_model_loaded", model="chat") == 1
+    # Put away is not down: /readyz says so (and the ModelDown alert stays silent).
+    code, _, body = box.call("GET", "/readyz")
+    assert code == 200 and body["models"]["a"] == "unloaded", body
+    assert body["models"]["chat"] == "ready"
 
 
 def test_a_request_loads_its_model_and_is_answered(box: Box) -> None:

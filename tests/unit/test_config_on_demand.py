@@ -11,6 +11,7 @@ import pytest
 from appliance.config import parse_config
 from appliance.config.on_demand import Adapter, slots
 from appliance.errors import ConfigError
+from appliance.reload import merge_live
 
 OD = {"load": "on_demand"}
 
@@ -114,3 +115,12 @@ def test_on_cpu_every_on_demand_model_takes_turns() -> None:
         }
     )
     assert slots(cfg.served, "cpu") == (("b", "c"),)
+
+
+def test_a_reload_that_changes_load_or_swap_needs_a_restart() -> None:
+    old = parse_config({"models": [{"name": "a", "gpus": [0]}]})
+    new = parse_config({"models": [{"name": "a", "gpus": [0], **OD, "idle_unload_s": 60}]})
+    merged, live, restart = merge_live(old, new)
+    assert merged.served[0].load == "always"  # kept until the restart
+    assert live == []
+    assert restart == ["models.a.load", "models.a.idle_unload_s"]
