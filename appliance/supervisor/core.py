@@ -266,7 +266,10 @@ class Supervisor:
                 self._handlers[sig]()
             now = time.monotonic()
             self.last_tick = now
-            states = [r.state for r in self._runners]
+            # An engine whose on-demand model is put away is down by design: it neither
+            # holds back READY=1 nor counts as failed to start.
+            models = self._models
+            states = [r.state for r in self._runners if models is None or models.counts(r.spec)]
             begun = self._stop_task is not None
             self._reporter.tick(now, states, self.accepting, self.status_line(), stopping=begun)
             # Belt and braces for admission: waiters normally get slots on release or

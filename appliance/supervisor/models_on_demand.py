@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from appliance.config import Config, ServedModel
 from appliance.config.on_demand import slots
 from appliance.control import LOAD_BUCKETS, GatewayLink, ModelResult, ModelStatus
-from appliance.engine import EngineState
+from appliance.engine import EngineSpec, EngineState
 from appliance.policy.swap import Action, ModelSnap, ModelState, check_transition, decide
 from appliance.supervisor.commands import Park, Unpark
 from appliance.supervisor.runner import EngineRunner
@@ -113,6 +113,14 @@ class ModelsOnDemand:
         if m.state in (ModelState.LOADED, ModelState.LOADING):
             self._put_away(m, "asked by an admin")
         return ModelResult(True, self._status(m).state, "")
+
+    def counts(self, spec: EngineSpec) -> bool:
+        """Whether an engine counts for systemd's readiness and the all-FAILED exit: an
+        always model's does; an on-demand model's only while the model is (being) loaded."""
+        m = self._models.get(spec.model)
+        if not spec.on_demand or m is None:
+            return True
+        return m.state in (ModelState.LOADING, ModelState.LOADED, ModelState.DRAINING)
 
     def _refused(self, m: _Model | None, name: str, why: str) -> ModelResult:
         if m is None:

@@ -10,8 +10,10 @@ the model, /admin/status, /metrics, the journal and the audit trail.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
+import socket
 import threading
 import urllib.error
 import urllib.request
@@ -30,8 +32,15 @@ RESIDENCY_S = 3
 
 
 class Box:
-    def __init__(self, app: Appliance, key: str, audit: Path) -> None:
-        self.app, self.key, self.audit = app, key, audit
+    def __init__(self, app: Appliance, key: str, audit: Path, notify: socket.socket) -> None:
+        self.app, self.key, self.audit, self.notify = app, key, audit, notify
+        self.notified: list[str] = []
+
+    def systemd_heard(self) -> list[str]:
+        with contextlib.suppress(BlockingIOError):
+            while True:
+                self.notified += self.notify.recv(4096).decode().split("\n")
+        return self.notified
 
     def call(
         self, method: str, path: str, body: dict[str, Any] | None = None, timeout: float = 60
@@ -113,9 +122,15 @@ def box(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Box]:
             "command": [*command, "--exit-immediately", "3"],
         },
     ]
-    with run_appliance(tmp, cfg) as app:
-        app.wait_ready()
-        yield Box(app, (tmp / "admin.key").read_text().strip(), tmp / "audit.log")
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(str(tmp / "notify.sock"))
+    notify.setblocking(False)
+    try:
+        with run_appliance(tmp, cfg, env={"NOTIFY_SOCKET": str(tmp / "notify.sock")}) as app:
+            app.wait_ready()
+            yield Box(app, (tmp / "admin.key").read_text().strip(), tmp / "audit.log", notify)
+    finally:
+        notify.close()
 
 
 def test_every_model_is_listed_and_on_demand_ones_start_unloaded(box: Box) -> None:
@@ -136,6 +151,11 @@ def test_every_model_is_listed_and_on_demand_ones_start_unloaded(box: Box) -> No
     code, _, body = box.call("GET", "/readyz")
     assert code == 200 and body["models"]["a"] == "unloaded", body
     assert body["models"]["chat"] == "ready"
+
+
+def test_systemd_hears_ready_while_on_demand_models_are_unloaded(box: Box) -> None:
+    box.app.wait_for(lambda: "READY=1" in box.systemd_heard(), 30, "READY=1")
+    assert box.state("a") == "unloaded"
 
 
 def test_a_request_loads_its_model_and_is_answered(box: Box) -> None:
