@@ -268,8 +268,7 @@ class Supervisor:
             self.last_tick = now
             # An engine whose on-demand model is put away is down by design: it neither
             # holds back READY=1 nor counts as failed to start.
-            models = self._models
-            states = [r.state for r in self._runners if models is None or models.counts(r.spec)]
+            states = [r.state for r in self._counted()]
             begun = self._stop_task is not None
             self._reporter.tick(now, states, self.accepting, self.status_line(), stopping=begun)
             # Belt and braces for admission: waiters normally get slots on release or
@@ -343,9 +342,15 @@ class Supervisor:
         audit_reload(self._audit, done)
         self._reporter.reloaded()
 
+    def _counted(self) -> list[EngineRunner]:
+        """The runners whose engines should run now: an on-demand model's engines are
+        down by design while it is put away (not "not ready", not "failed to start")."""
+        models = self._models
+        return [r for r in self._runners if models is None or models.counts(r.spec)]
+
     def status_line(self) -> str:
         return status_line(
-            [(r.spec.name, r.state, r.spec.model) for r in self._runners],
+            [(r.spec.name, r.state, r.spec.model) for r in self._counted()],
             self._heat.readings if self._heat else {},
             stopping.in_flight(self._link, self._runners),
             self._stopping or self._stop_task is not None,

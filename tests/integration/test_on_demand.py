@@ -156,6 +156,10 @@ def test_every_model_is_listed_and_on_demand_ones_start_unloaded(box: Box) -> No
 def test_systemd_hears_ready_while_on_demand_models_are_unloaded(box: Box) -> None:
     box.app.wait_for(lambda: "READY=1" in box.systemd_heard(), 30, "READY=1")
     assert box.state("a") == "unloaded"
+    # The status line counts the engines that should run: "1/1 engines ready", not the
+    # unloaded models' engines as EXITED.
+    statuses = [m for m in box.systemd_heard() if m.startswith("STATUS=")]
+    assert statuses and not any("EXITED" in m for m in statuses), statuses
 
 
 def test_a_request_loads_its_model_and_is_answered(box: Box) -> None:
