@@ -14,6 +14,7 @@ out of step with another flag::
         │        SUSPECT ───────────────────┤
         └───────────────────────────────────┘
                         FAILED ──(admin restart)──► STARTING
+    DRAINING ──► SLEEPING ──► READY (woken) | STOPPING | EXITED   (swap = "sleep")
 
 SUSPECT is a READY engine that failed its last health check: it gets no new work at
 once (a frozen engine would otherwise be offered requests until it is declared hung,
@@ -52,6 +53,7 @@ class EngineState(enum.Enum):
     STOPPING = "STOPPING"  # SIGTERM sent to its process tree
     EXITED = "EXITED"  # no process; will be (re)started after backoff
     FAILED = "FAILED"  # restart budget spent; stays down until an admin restarts it
+    SLEEPING = "SLEEPING"  # on demand, swap = "sleep": vLLM asleep, GPU memory freed
 
     @property
     def accepts_work(self) -> bool:
@@ -66,7 +68,11 @@ ALLOWED_TRANSITIONS: Mapping[EngineState, frozenset[EngineState]] = {
     EngineState.SUSPECT: frozenset(
         {EngineState.READY, EngineState.DRAINING, EngineState.STOPPING, EngineState.EXITED}
     ),
-    EngineState.DRAINING: frozenset({EngineState.READY, EngineState.STOPPING, EngineState.EXITED}),
+    EngineState.DRAINING: frozenset(
+        {EngineState.READY, EngineState.STOPPING, EngineState.EXITED, EngineState.SLEEPING}
+    ),
+    # Woken (READY), stopped while asleep, or died asleep.
+    EngineState.SLEEPING: frozenset({EngineState.READY, EngineState.STOPPING, EngineState.EXITED}),
     EngineState.STOPPING: frozenset({EngineState.EXITED}),
     EngineState.EXITED: frozenset({EngineState.STARTING, EngineState.FAILED}),
     EngineState.FAILED: frozenset({EngineState.STARTING}),
@@ -92,6 +98,7 @@ class RestartReason(enum.Enum):
     DEGRADED = "degraded"  # the degradation detector's verdict
     HEAT = "heat"  # sustained heat: restarted with fewer batched tokens (or restored)
     ADMIN = "admin"  # POST /admin/engines/{id}/restart
+    UNLOAD = "unload"  # its on-demand model was put away: a stop, never counted as a restart
 
 
 @dataclass(frozen=True)
@@ -110,6 +117,7 @@ class EngineSpec:
     model: str = ""  # the served model's name ([[models]] name, or the one model's)
     gpus: tuple[int, ...] = ()  # all its CUDA indices (tensor parallel: several)
     task: str = "generate"  # "generate" | "embed"
+    on_demand: bool = False  # its model loads on demand: planned, spawned when loaded
 
     @property
     def name(self) -> str:

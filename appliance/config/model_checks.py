@@ -10,6 +10,7 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from appliance import paths
+from appliance.config import on_demand
 from appliance.config.checks import check_engine_keys
 from appliance.config.fields import _show
 from appliance.config.models import ModelConfig, ServedModel, _packaged_ok
@@ -36,6 +37,7 @@ def check_models(cfg: Config, problems: list[str]) -> None:
     _check_unique_names(cfg.models, problems)
     _check_gpus(cfg, problems)
     _check_fallbacks(cfg, problems)
+    on_demand.check(cfg, problems)
     for i, (m, served) in enumerate(zip(cfg.models, cfg.served, strict=True)):
         _check_task(i, m, served, problems)
         check_parsers(m.overrides, _label(i, m), problems, embed=served.task == "embed")
@@ -103,14 +105,13 @@ def _check_gpus(cfg: Config, problems: list[str]) -> None:
                 '(engine.device = "cpu"); on CPU use cpu_engines'
             )
         for g in m.gpus:
-            if g in owner:
-                j = owner[g]
-                problems.append(
-                    f"{_label(i, m)}.gpus: GPU {g} is already given to "
-                    f"{_label(j, cfg.models[j])}; no GPU belongs to two models"
-                )
-            else:
+            if g not in owner:
                 owner[g] = i
+                continue
+            j = owner[g]
+            problem = on_demand.shared_gpus_problem(i, m, j, cfg.models[j], g)
+            if problem is not None:
+                problems.append(problem)
 
 
 def _check_fallbacks(cfg: Config, problems: list[str]) -> None:

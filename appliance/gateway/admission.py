@@ -183,11 +183,17 @@ class Admission:
         session: str | None = None,
         exclude: frozenset[int] = frozenset(),
         model: str | None = None,
+        load_wait_s: float | None = None,
     ) -> int:
         """An engine id (one of ``model``'s) with a slot reserved for this request;
-        release() it when done."""
+        release() it when done. ``load_wait_s``: the model is on demand and being loaded
+        for it; wait that long (whatever its engines' states now) instead of
+        gateway.queue_timeout_s."""
         self.check_cost(cost, model)
-        self._refuse_unless_open(exclude, model)
+        if load_wait_s is None:
+            self._refuse_unless_open(exclude, model)
+        elif not self._accepting():
+            raise self._reject(503, "the server is shutting down", "shutting_down", 5)
         g = self._config().gateway
         if not self._queued_for(model):
             chosen = self._route(cost, session, exclude, model=model)
@@ -197,6 +203,8 @@ class Admission:
         waiter = _Waiter(cost, session, exclude, batch, self._clock(), model)
         (self._batch if batch else self._interactive).append(waiter)
         self.kick()  # room may exist for it: waiters ahead may be waiting for more room
+        if load_wait_s is not None:
+            return await self._wait_in_queue(waiter, load_wait_s, loading=True)
         return await self._wait_in_queue(waiter, g.queue_timeout_s)
 
     def try_acquire(self, cost: int, session: str | None, model: str) -> int | None:
@@ -244,6 +252,7 @@ class Admission:
                 EngineState.STARTING,
                 EngineState.DRAINING,
                 EngineState.EXITED,
+                EngineState.SLEEPING,  # on demand: woken when its model is wanted
             )
             and s.id not in exclude
             for s in candidates(model, self._engines())
@@ -271,12 +280,20 @@ class Admission:
                     )
                 )
 
-    async def _wait_in_queue(self, waiter: _Waiter, timeout_s: float) -> int:
+    async def _wait_in_queue(self, waiter: _Waiter, timeout_s: float, loading: bool = False) -> int:
         """The engine a release() or kick() hands the queued ``waiter``; 503 after
-        ``timeout_s``."""
+        ``timeout_s`` (``loading``: its on-demand model did not load in time)."""
         try:
             return await asyncio.wait_for(asyncio.shield(waiter.future), timeout_s)
         except TimeoutError:
+            if loading:
+                raise self._reject(
+                    503,
+                    f"the model '{waiter.model}' is not loaded: it did not load within "
+                    f"{timeout_s:g} s (load_timeout_s); retry later",
+                    "model_loading",
+                    10,
+                ) from None
             raise self._reject(
                 503,
                 f"no engine{_of(waiter.model)} could take the request within {timeout_s:g} s",

@@ -92,12 +92,25 @@ class Probes:
 
 
 def models_ready(gw: Gateway, admitting: set[int]) -> dict[str, str]:
-    """Each served model: "ready" while one of its engines admits new work, else "down"."""
+    """Each served model: "ready" while one of its engines admits new work, else "down";
+    an on-demand model put away says so ("unloaded", "sleeping", "loading"): it is not
+    down, its next request loads it."""
     engines = gw.appliance.engines()
+    away = {m.name: m.state for m in gw.model_door.models() if m.load == "on_demand"}
     return {
-        m.name: ("ready" if any(e.id in admitting for e in candidates(m.name, engines)) else "down")
+        m.name: (
+            "ready"
+            if any(e.id in admitting for e in candidates(m.name, engines))
+            else _put_away(away.get(m.name))
+        )
         for m in gw.appliance.config.served
     }
+
+
+def _put_away(state: str | None) -> str:
+    """A model not admitting: "down", unless it is an on-demand one put away (a loaded
+    one that admits nothing is down like any other)."""
+    return "down" if state in (None, "loaded") else str(state)
 
 
 def not_admitting(gw: Gateway) -> dict[int, str]:

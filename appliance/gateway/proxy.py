@@ -65,6 +65,7 @@ if TYPE_CHECKING:
     from appliance.gateway.app import Gateway
 
 log = logging.getLogger("appliance.gateway")
+LOAD_WAIT = "appliance_load_wait_s"  # request key: its on-demand model is loading for it
 
 
 class Relay:
@@ -129,6 +130,7 @@ class Relay:
         started = time.monotonic()
         record = request["key"]
         parsed, fallback = await self._parse(request, route)
+        self._use_model(request, parsed.model)
         # before tpm: never charge what cannot run
         self.gw.admission.check_cost(parsed.cost, parsed.model)
         pinned = self._pinned(parsed, record.id)
@@ -141,6 +143,15 @@ class Relay:
         return await self._relay_with_failover(request, path, parsed, started, batch)
 
     # ---- state kept in one engine (stored_responses.py) ----------------------------------
+    def _use_model(self, request: web.Request, model: str) -> None:
+        """Mark the model used; an on-demand model not loaded is asked for, and this
+        request waits for it up to its load_timeout_s (see _admit)."""
+        if self.gw.model_door.use_model(model):
+            return
+        served = self.gw.appliance.config.model(model)
+        if served is not None:
+            request[LOAD_WAIT] = {model: served.load_timeout_s}
+
     def _pinned(self, parsed: ParsedRequest, key_id: str) -> int | None:
         """The engine a request must go to (it reads a stored response), or None."""
         config = self.gw.appliance.config
@@ -362,6 +373,7 @@ class Relay:
                 session=parsed.session,
                 exclude=tried,
                 model=parsed.model,
+                load_wait_s=request.get(LOAD_WAIT, {}).get(parsed.model),
             )
         self.gw.metrics.queue_wait.observe(time.monotonic() - queued)
         return engine_id, parsed
