@@ -96,7 +96,7 @@ def box(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Box]:
     ]
     env = {FAKE_DIR_ENV: str(nvml), "PYTHONPATH": f"{nvml}:{REPO}"}
     with run_appliance(tmp, cfg, env) as app:
-        app.wait_for(lambda: (tmp / "admin.key").exists(), 30, "the first admin key")
+        app.wait_for(lambda: (tmp / "admin.key").exists(), 120, "the first admin key")
         b = Box(app, (tmp / "admin.key").read_text().strip(), nvml)
         b.wait(lambda: b.call("GET", "/admin/status")[0] == 200, "the gateway")
         yield b
