@@ -1,4 +1,4 @@
-"""`llm-appliance` command line: serve, check-config, setup, keys, status.
+"""`llm-appliance` command line: serve, check-config, setup, keys, status, doctor, export.
 
 Every command takes ``--config PATH``; a config problem ends any of them with exit 2 and
 every problem named, before anything is started. A file the user may not read is one
@@ -146,6 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
     from appliance import doctor
 
     doctor.add_parser(sub, common)
+    from appliance import export
+
+    export.add_parser(sub, common)
     return parser
 
 

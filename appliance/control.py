@@ -6,6 +6,8 @@ root (:mod:`appliance.serve`) hands each its half of the other::
     gateway ──reads──► ApplianceView   (status snapshots: frozen, copied, never live)
             ──calls──► EngineCommands  (restart / drain / resume / check_listener
                                         → CommandResult)
+            ──calls──► ModelDoor       (models on demand: use / load / unload a model,
+                                        each model's state)
                          ▲ implemented by the supervisor
     supervisor ─calls─► GatewayLink    (work in flight, KV breaker, throttle, shutdown)
                          ▲ implemented by the gateway
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from appliance.config import Config
 from appliance.endpoint import EngineAddress
@@ -94,6 +96,25 @@ class GpuStatus:
 
 
 @dataclass(frozen=True, slots=True)
+class ModelStatus:
+    """One configured model's load state (models on demand, issue 23)."""
+
+    name: str
+    load: str  # "always" | "on_demand"
+    state: str  # "loaded" | "loading" | "sleeping" | "unloaded" (the contract's names)
+    last_used: float | None  # time.time() of its last request; None: none yet
+    detail: str = ""  # the lifecycle's own name (draining, unloading) where it says more
+    loads: Mapping[str, int] = field(default_factory=dict)  # by how: "cold", "wake"
+    # Its loads' durations: a count per LOAD_BUCKETS bucket (the last: above them all).
+    load_buckets: tuple[int, ...] = ()
+    load_seconds_sum: float = 0.0
+
+
+# appliance_model_load_seconds' buckets: a wake takes about a second, a cold start minutes.
+LOAD_BUCKETS = (0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+
+@dataclass(frozen=True, slots=True)
 class ApplianceStatus:
     """The whole box at one moment: what /admin/status, /metrics and `status` show."""
 
@@ -104,6 +125,7 @@ class ApplianceStatus:
     ready: bool  # accepting, and some engine is READY
     engines: tuple[EngineStatus, ...]
     gpus: tuple[GpuStatus, ...]  # by index
+    models: tuple[ModelStatus, ...] = ()  # every configured model, in config order
 
     def gpu(self, index: int) -> GpuStatus | None:
         return next((g for g in self.gpus if g.index == index), None)
@@ -167,6 +189,46 @@ class EngineCommands(Protocol):
         on its port): answered once that check is done. ok: the listener is the
         engine's own; not ok: it is being replaced, or is not running (``message``)."""
         ...
+
+
+@dataclass(frozen=True, slots=True)
+class ModelResult:
+    """The answer to an admin's load or unload of a model."""
+
+    ok: bool
+    state: str  # the model's state (ModelStatus.state) once the command was taken
+    message: str = ""
+
+
+@runtime_checkable
+class ModelDoor(Protocol):
+    """Models on demand, as the gateway asks for them (implemented by the supervisor)."""
+
+    def use_model(self, name: str) -> bool:
+        """A request for ``name`` (canonical) arrived: mark it used, and when it is an
+        on-demand model not loaded, ask for its load. True: loaded (no wait for a load).
+        Called per request: cheap."""
+        ...
+
+    def models(self) -> tuple[ModelStatus, ...]: ...
+    async def load_model(self, name: str) -> ModelResult: ...
+    async def unload_model(self, name: str) -> ModelResult: ...
+
+
+class NoModels:
+    """The door for an appliance without models on demand (unit tests' fakes)."""
+
+    def use_model(self, name: str) -> bool:
+        return True
+
+    def models(self) -> tuple[ModelStatus, ...]:
+        return ()
+
+    async def load_model(self, name: str) -> ModelResult:
+        return ModelResult(False, "loaded", "models on demand are not available here")
+
+    async def unload_model(self, name: str) -> ModelResult:
+        return ModelResult(False, "loaded", "models on demand are not available here")
 
 
 class Appliance(ApplianceView, EngineCommands, Protocol):

@@ -14,6 +14,7 @@ out of step with another flag::
         │        SUSPECT ───────────────────┤
         └───────────────────────────────────┘
                         FAILED ──(admin restart)──► STARTING
+    DRAINING ──► SLEEPING ──► READY (woken) | STOPPING | EXITED   (swap = "sleep")
 
 SUSPECT is a READY engine that failed its last health check: it gets no new work at
 once (a frozen engine would otherwise be offered requests until it is declared hung,
@@ -52,6 +53,7 @@ class EngineState(enum.Enum):
     STOPPING = "STOPPING"  # SIGTERM sent to its process tree
     EXITED = "EXITED"  # no process; will be (re)started after backoff
     FAILED = "FAILED"  # restart budget spent; stays down until an admin restarts it
+    SLEEPING = "SLEEPING"  # on demand, swap = "sleep": vLLM asleep, GPU memory freed
 
     @property
     def accepts_work(self) -> bool:
@@ -66,7 +68,11 @@ ALLOWED_TRANSITIONS: Mapping[EngineState, frozenset[EngineState]] = {
     EngineState.SUSPECT: frozenset(
         {EngineState.READY, EngineState.DRAINING, EngineState.STOPPING, EngineState.EXITED}
     ),
-    EngineState.DRAINING: frozenset({EngineState.READY, EngineState.STOPPING, EngineState.EXITED}),
+    EngineState.DRAINING: frozenset(
+        {EngineState.READY, EngineState.STOPPING, EngineState.EXITED, EngineState.SLEEPING}
+    ),
+    # Woken (READY), stopped while asleep, or died asleep.
+    EngineState.SLEEPING: frozenset({EngineState.READY, EngineState.STOPPING, EngineState.EXITED}),
     EngineState.STOPPING: frozenset({EngineState.EXITED}),
     EngineState.EXITED: frozenset({EngineState.STARTING, EngineState.FAILED}),
     EngineState.FAILED: frozenset({EngineState.STARTING}),
@@ -92,6 +98,7 @@ class RestartReason(enum.Enum):
     DEGRADED = "degraded"  # the degradation detector's verdict
     HEAT = "heat"  # sustained heat: restarted with fewer batched tokens (or restored)
     ADMIN = "admin"  # POST /admin/engines/{id}/restart
+    UNLOAD = "unload"  # its on-demand model was put away: a stop, never counted as a restart
 
 
 @dataclass(frozen=True)
@@ -110,6 +117,7 @@ class EngineSpec:
     model: str = ""  # the served model's name ([[models]] name, or the one model's)
     gpus: tuple[int, ...] = ()  # all its CUDA indices (tensor parallel: several)
     task: str = "generate"  # "generate" | "embed"
+    on_demand: bool = False  # its model loads on demand: planned, spawned when loaded
 
     @property
     def name(self) -> str:
@@ -320,10 +328,18 @@ def _custom_command(
 
 
 def _model_args(served: ServedModel, speculative_json: str) -> list[str]:
-    """What the model's own keys add: its runner, tensor parallelism, speculation."""
+    """What the model's own keys add: its runner, tensor parallelism, speculation, and
+    its tool-call and reasoning parsers (generate models only: a pooling runner has no
+    chat to parse, and [engine]'s parsers are every generate model's default)."""
     args = []
+    e = served.engine
     if served.task == "embed":
         args += ["--runner", "pooling"]  # vLLM 0.32: serves /v1/embeddings, not chat
+    else:
+        if e.tool_call_parser:
+            args += ["--enable-auto-tool-choice", "--tool-call-parser", e.tool_call_parser]
+        if e.reasoning_parser:
+            args += ["--reasoning-parser", e.reasoning_parser]
     if served.tensor_parallel_size > 1:
         args += ["--tensor-parallel-size", str(served.tensor_parallel_size)]
     if speculative_json:
@@ -372,9 +388,9 @@ def build_env(
             "LLM_APPLIANCE_ENGINE": engine_tag,
             # The Responses API's store (store: true, previous_response_id, retrieve,
             # cancel): off in vLLM 0.32 unless set, and then store is silently ignored.
-            # Its store is in the engine's memory, unbounded (docs/api.md); engine.env
-            # can set it to "0".
-            "VLLM_ENABLE_RESPONSES_API_STORE": "1",
+            # Its store is in the engine's memory, unbounded (docs/api.md): the model's
+            # responses_store turns it off (the gateway reads the same key).
+            "VLLM_ENABLE_RESPONSES_API_STORE": "1" if engine.responses_store else "0",
         }
     )
     if gpus:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from appliance import paths
-from appliance.config import MAX_GPUS, Config, EngineConfig, ServedModel
+from appliance.config import MAX_GPUS, Config, EngineConfig, ServedModel, on_demand
 from appliance.endpoint import EngineAddress, socket_path
 from appliance.engine import (
     CpuDtype,
@@ -189,6 +189,8 @@ def plan_engines(
     dtype; ``preload`` (None: what :func:`cpu_preload_libs` finds) goes in its LD_PRELOAD.
     """
     device = _device(config, gpu_count)
+    if problems := on_demand.sleep_on_cpu(config.served, device):
+        raise ConfigError(problems, config.source)
     groups, binds, core_sets = _engine_slots(config, device, gpu_count, cores)
     python = resolve_python(config, home)
     model_paths = _model_paths(config, home)
@@ -239,10 +241,24 @@ def _engine_slots(
         return groups, [None] * len(groups), [()] * len(groups)
     no_gpus: tuple[int, ...] = ()
     cpu_groups = [(m, no_gpus) for m in config.served for _ in range(m.cpu_engines)]
-    # The cores are split between all engines of all models, each pinned as before.
-    core_sets = cpu_core_sets(cores, len(cpu_groups))
+    core_sets = _cpu_core_sets(config.served, cores)
     binds: list[str | None] = [omp_bind(s) for s in core_sets]
     return cpu_groups, binds, core_sets
+
+
+def _cpu_core_sets(served: Sequence[ServedModel], cores: Sequence[int]) -> list[tuple[int, ...]]:
+    """Per CPU engine, its cores: split between the engines of the ``always`` models and
+    one share for the on-demand models, which take turns on it (one loaded at a time:
+    their engine j all get the share's set j), each pinned as before."""
+    always = sum(m.cpu_engines for m in served if not m.on_demand)
+    slot = max((m.cpu_engines for m in served if m.on_demand), default=0)
+    sets = cpu_core_sets(cores, always + slot)
+    fixed, shared = iter(sets[:always]), sets[always:]
+    out: list[tuple[int, ...]] = []
+    for m in served:
+        for j in range(m.cpu_engines):
+            out.append(shared[j] if m.on_demand else next(fixed))
+    return out
 
 
 def _model_paths(config: Config, home: Path) -> dict[str, str]:
@@ -297,6 +313,12 @@ def _spec(
     env = build_env(
         m.engine, ctx.base_env, gpus=gpus, cpu_bind=bind, engine_tag=tag, preload=ctx.preload
     )
+    if m.on_demand and m.swap == "sleep":
+        # vLLM serves /sleep, /wake_up and /is_sleeping only in its development mode; they
+        # stay on the engine's private socket (the gateway never relays them).
+        env.setdefault("VLLM_SERVER_DEV_MODE", "1")
+        if not m.engine.command:
+            argv = (*argv, "--enable-sleep-mode")
     # Pin a CPU engine's whole tree to its own cores, unless engine.env overrides the
     # OMP binding (then the admin has their own layout). Unpinned, a starting engine is
     # stuck behind its neighbour: at import, MKL hops onto every allowed core in turn
@@ -315,6 +337,7 @@ def _spec(
         model=m.name,
         gpus=gpus,
         task=m.task,
+        on_demand=m.on_demand,
     )
 
 

@@ -7,6 +7,7 @@ ready; a daemon older than models (no ``model``, only ``gpu``) still gets a tabl
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 
@@ -115,6 +116,21 @@ def _engine_notes(engines: list[dict[str, Any]]) -> list[str]:
     return ["", *notes] if notes else []
 
 
+def _model_lines(models: list[dict[str, Any]]) -> list[str]:
+    """Models on demand: each model's load state and its last request (shown only when
+    some model loads on demand: otherwise every model is simply always loaded)."""
+    if not any(m.get("load") == "on_demand" for m in models):
+        return []
+    out = ["", "MODEL                LOAD       STATE      LAST USED"]
+    now = time.time()
+    for m in models:
+        used = m.get("last_used")
+        ago = "-" if used is None else f"{max(0.0, now - used):.0f} s ago"
+        state = m["state"] + (f" ({m['detail']})" if m.get("detail") else "")
+        out.append(f"{m['name']:<20} {m['load']:<10} {state:<10} {ago}")
+    return out
+
+
 def render_table(doc: dict[str, Any]) -> str:
     head = (
         f"llm-appliance {doc['version']} on {doc['device']}: "
@@ -123,6 +139,7 @@ def render_table(doc: dict[str, Any]) -> str:
         f"up {doc['uptime_s']:.0f} s"
     )
     out = [head, "", *_engine_lines(doc), *_engine_notes(doc["engines"])]
+    out += _model_lines(doc.get("models") or [])
     if doc["gpus"]:
         out += ["", "GPU  TEMP  POWER       MEM USED  UTIL  LEVEL  CLOCK EVENTS"]
         for g in doc["gpus"]:

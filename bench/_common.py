@@ -294,6 +294,28 @@ class Result:
     target: int = -1  # which engine (direct) or -1 (gateway)
 
 
+# What a stream of each route ends with when it ends well (chat and completions: OpenAI's
+# [DONE]; Responses: its completed event; Messages: message_stop).
+STREAM_ENDS = {
+    "completions": DONE,
+    "chat": DONE,
+    "responses": b"event: response.completed",
+    "messages": b"event: message_stop",
+}
+
+
+def route_stream(route: str, tokens: int, prompt: str = "hello there") -> tuple[str, bytes]:
+    """(path, body) of a stream of ``tokens`` tokens on ``route`` (STREAM_ENDS' keys)."""
+    chat = [{"role": "user", "content": prompt}]
+    path, fields = {
+        "completions": ("/v1/completions", {"prompt": prompt, "max_tokens": tokens}),
+        "chat": ("/v1/chat/completions", {"messages": chat, "max_tokens": tokens}),
+        "responses": ("/v1/responses", {"input": prompt, "max_output_tokens": tokens}),
+        "messages": ("/v1/messages", {"messages": chat, "max_tokens": tokens}),
+    }[route]
+    return path, json.dumps({"model": MODEL, "stream": True, **fields}).encode()
+
+
 def completion_body(max_tokens: int, stream: bool, prompt: str = "hello there") -> bytes:
     return json.dumps(
         {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "stream": stream}
@@ -325,14 +347,17 @@ async def request(
     body: bytes,
     stream: bool,
     target: int = -1,
+    path: str = "/v1/completions",
+    done_mark: bytes = DONE,
 ) -> Result:
-    """One /v1/completions request; a stream is OK only if it ends with [DONE], no error."""
+    """One request (/v1/completions unless ``path`` says another route); a stream is OK
+    only if it ends with ``done_mark`` (STREAM_ENDS) and no error."""
     headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
     t0 = time.monotonic()
     ttft = 0.0
     events = 0
     try:
-        async with session.post(base_url + "/v1/completions", data=body, headers=headers) as resp:
+        async with session.post(base_url + path, data=body, headers=headers) as resp:
             if resp.status != 200 or not stream:
                 data = await resp.read()
                 now = time.monotonic()
@@ -347,7 +372,7 @@ async def request(
                 events += n
                 if ERROR_MARK in chunk:
                     bad = True
-                if DONE in chunk:
+                if done_mark in chunk:
                     done = True
             now = time.monotonic()
             ok = done and not bad

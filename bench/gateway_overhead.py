@@ -54,12 +54,12 @@ import psutil
 
 from bench import plots, profile
 from bench._common import (
+    STREAM_ENDS,
     Daemon,
     Result,
     Table,
     client_session,
     closed_loop,
-    completion_body,
     daemon,
     header,
     module_argv,
@@ -67,6 +67,7 @@ from bench._common import (
     pct,
     plot_path,
     request,
+    route_stream,
     wait_for_quiet,
     write_plot,
 )
@@ -128,10 +129,16 @@ class Target:
     eng_url: str
     eng_key: str
 
+    route: str = "completions"  # which route's streams (--route)
+
     def one(self, path: str, body: bytes) -> Callable[[int], Awaitable[Result]]:
+        url, _ = route_stream(self.route, 0)
+        end = STREAM_ENDS[self.route]
         if path == "direct":
-            return lambda w: request(self.direct, self.eng_url, self.eng_key, body, True, 0)
-        return lambda w: request(self.gw, self.d.url, self.d.admin_key, body, True)
+            return lambda w: request(
+                self.direct, self.eng_url, self.eng_key, body, True, 0, url, end
+            )
+        return lambda w: request(self.gw, self.d.url, self.d.admin_key, body, True, -1, url, end)
 
 
 def schedule(modes: Sequence[str], r: int) -> list[tuple[str, str]]:
@@ -143,7 +150,7 @@ def schedule(modes: Sequence[str], r: int) -> list[tuple[str, str]]:
 
 async def run(args: argparse.Namespace, daemons: dict[str, Daemon]) -> dict[str, Any]:
     client_p = psutil.Process(os.getpid())
-    body = completion_body(args.tokens, stream=True)
+    _, body = route_stream(args.route, args.tokens)
     accs: Accs = defaultdict(Acc)
     profs: list[dict[str, Any]] = []
     engines: dict[str, dict[str, Any]] = {}
@@ -159,6 +166,7 @@ async def run(args: argparse.Namespace, daemons: dict[str, Daemon]) -> dict[str,
                 await stack.enter_async_context(client_session(d.engine_address(0))),
                 d.engine_url(0),
                 d.engine_key(0),
+                args.route,
             )
 
         # Warm-up at the highest concurrency: opens every keep-alive connection on both
@@ -386,7 +394,7 @@ def report(args: argparse.Namespace, quiet: Any, data: dict[str, Any]) -> str:
         f"- listen: {listen}\n"
         f"- load: 1 fake engine, `--token-delay-ms {args.token_delay_ms:g}`, KV usage "
         f"reported {'1 % per running request' if kv == 'derived' else kv}, "
-        f"{args.tokens}-token streams on /v1/completions; closed loop; "
+        f"{args.tokens}-token streams on {route_stream(args.route, 0)[0]}; closed loop; "
         f"{args.rounds} rounds × {args.round_s:g} s per path per concurrency "
         f"(1 stream: {2 * args.rounds} rounds), direct/gateway alternating; "
         f"~{eps} SSE events per stream\n"
@@ -448,6 +456,12 @@ def main() -> None:
         "--rounds", type=int, default=3, help="rounds per path and listen mode per concurrency"
     )
     ap.add_argument("--round-s", type=float, default=3.0, help="seconds per round")
+    ap.add_argument(
+        "--route",
+        choices=sorted(STREAM_ENDS),
+        default="completions",
+        help="which route's streams to load (the fake engine speaks each)",
+    )
     ap.add_argument("--tokens", type=int, default=64, help="tokens per stream")
     ap.add_argument("--token-delay-ms", type=float, default=2.0)
     ap.add_argument(

@@ -6,12 +6,15 @@ Each message names the table (``models[1] ("embed")``) and says what would be ri
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 from appliance import paths
+from appliance.config import on_demand
 from appliance.config.checks import check_engine_keys
 from appliance.config.fields import _show
 from appliance.config.models import ModelConfig, ServedModel, _packaged_ok
+from appliance.config.parsers import check_parsers
 
 if TYPE_CHECKING:
     from appliance.config.document import Config
@@ -24,14 +27,20 @@ def _label(i: int, m: ModelConfig) -> str:
 def check_models(cfg: Config, problems: list[str]) -> None:
     # [engine].model is every table's default, and the one model without tables.
     _packaged_ok("engine.model", cfg.engine.model, problems)
+    # [engine]'s parsers are every generate model's default; an embed model ignores them,
+    # unless it is the one model of a config without tables.
+    alone_embed = not cfg.models and cfg.served[0].task == "embed"
+    check_parsers(dataclasses.asdict(cfg.engine), "engine", problems, embed=alone_embed)
     if not cfg.models:
         return
     _check_engine_section(cfg, problems)
     _check_unique_names(cfg.models, problems)
     _check_gpus(cfg, problems)
     _check_fallbacks(cfg, problems)
+    on_demand.check(cfg, problems)
     for i, (m, served) in enumerate(zip(cfg.models, cfg.served, strict=True)):
         _check_task(i, m, served, problems)
+        check_parsers(m.overrides, _label(i, m), problems, embed=served.task == "embed")
         if "command" in m.overrides or "env" in m.overrides:
             check_engine_keys(served.engine, _label(i, m), problems)
 
@@ -96,14 +105,13 @@ def _check_gpus(cfg: Config, problems: list[str]) -> None:
                 '(engine.device = "cpu"); on CPU use cpu_engines'
             )
         for g in m.gpus:
-            if g in owner:
-                j = owner[g]
-                problems.append(
-                    f"{_label(i, m)}.gpus: GPU {g} is already given to "
-                    f"{_label(j, cfg.models[j])}; no GPU belongs to two models"
-                )
-            else:
+            if g not in owner:
                 owner[g] = i
+                continue
+            j = owner[g]
+            problem = on_demand.shared_gpus_problem(i, m, j, cfg.models[j], g)
+            if problem is not None:
+                problems.append(problem)
 
 
 def _check_fallbacks(cfg: Config, problems: list[str]) -> None:

@@ -18,7 +18,9 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 from appliance import paths
+from appliance.config import on_demand
 from appliance.config.fields import _coerce, _describe, _show, _unknown, check_bounds
+from appliance.config.on_demand import Adapter, Load, Swap
 from appliance.config.sections import MAX_GPUS, EngineConfig
 from appliance.config.speculative import speculative_problem
 
@@ -38,6 +40,9 @@ MODEL_ENGINE_KEYS: tuple[str, ...] = (
     "startup_timeout_s",
     "stop_timeout_s",
     "cpu_kvcache_space_gib",
+    "tool_call_parser",
+    "reasoning_parser",
+    "responses_store",
 )
 MODEL_KEYS: tuple[str, ...] = (
     "name",
@@ -49,6 +54,7 @@ MODEL_KEYS: tuple[str, ...] = (
     "cpu_engines",
     "fallback",
     "speculative",
+    *on_demand.KEYS,
 )
 # (default, type, what it does) of each model key: docs/configuration.md's [[models]].
 MODEL_KEY_DOCS: Mapping[str, tuple[str, str, str]] = {
@@ -88,6 +94,7 @@ MODEL_KEY_DOCS: Mapping[str, tuple[str, str, str]] = {
         "vLLM --speculative-config, e.g. "
         '{ method = "ngram", num_speculative_tokens = 4, prompt_lookup_max = 4 }.',
     ),
+    **on_demand.KEY_DOCS,
 }
 # The context a packaged model supports, where it is below [engine].max_model_len's
 # default: vLLM refuses a --max-model-len above what the model was trained for.
@@ -108,6 +115,13 @@ class ModelConfig:
     fallback: str = ""
     speculative: Mapping[str, Any] = field(default_factory=dict)
     overrides: Mapping[str, Any] = field(default_factory=dict)  # [engine] keys it sets
+    # Models on demand (config/on_demand.py).
+    load: Load = "always"
+    idle_unload_s: float = 900.0
+    swap: Swap = "stop"
+    load_timeout_s: float = 300.0
+    min_residency_s: float = 30.0
+    adapters: tuple[Adapter, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -124,6 +138,16 @@ class ServedModel:
     fallback: str
     speculative: Mapping[str, Any]
     engine: EngineConfig  # [engine] with this model's overrides applied
+    load: Load = "always"
+    idle_unload_s: float = 900.0
+    swap: Swap = "stop"
+    load_timeout_s: float = 300.0
+    min_residency_s: float = 30.0
+    adapters: tuple[Adapter, ...] = ()
+
+    @property
+    def on_demand(self) -> bool:
+        return self.load == "on_demand"
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -191,6 +215,12 @@ def serve(engine: EngineConfig, models: Sequence[ModelConfig]) -> tuple[ServedMo
                 fallback=m.fallback,
                 speculative=m.speculative,
                 engine=_with_packaged_context(merged, model, "max_model_len" in m.overrides),
+                load=m.load,
+                idle_unload_s=m.idle_unload_s,
+                swap=m.swap,
+                load_timeout_s=m.load_timeout_s,
+                min_residency_s=m.min_residency_s,
+                adapters=m.adapters,
             )
         )
     return tuple(out)
@@ -293,6 +323,8 @@ def _parse_model_key(
             problems.append(f"{path} = {_show(value)}: must be an integer from 1 to {MAX_GPUS}")
             return False
         out[key] = value
+    elif key in on_demand.KEYS:
+        return on_demand.parse_key(path, key, value, out, problems)
     elif key == "fallback":
         if not isinstance(value, str):
             problems.append(f"{path} = {_show(value)}: must be a model's name")

@@ -120,6 +120,27 @@ class EngineConfig:
         lo=0,
         lo_open=True,
     )
+    tool_call_parser: str = _f(
+        "",
+        "vLLM `--enable-auto-tool-choice --tool-call-parser NAME`: lets clients send `tools` "
+        'with `tool_choice` "auto" (or "required", or a named tool); NAME must fit the '
+        'model\'s chat template (e.g. "hermes" for ChatML tool calls). "" = off: such a '
+        "request is a 400 that names this key. check-config lists vLLM 0.32's names.",
+    )
+    reasoning_parser: str = _f(
+        "",
+        "vLLM `--reasoning-parser NAME`: the model's thinking goes in `reasoning` apart "
+        'from the answer; for reasoning models only (e.g. "deepseek_r1", "qwen3"). "" = '
+        "off. check-config lists vLLM 0.32's names.",
+    )
+    responses_store: bool = _f(
+        True,
+        "Keep Responses API answers in the engine's memory (`store`, "
+        "`previous_response_id`, retrieve, cancel; vLLM's "
+        "`VLLM_ENABLE_RESPONSES_API_STORE`). vLLM never evicts them: each stored answer "
+        "stays in the engine's RAM until it restarts. false: nothing is kept, and a "
+        "request that reads a stored response is a 400.",
+    )
 
 
 @dataclass(frozen=True)

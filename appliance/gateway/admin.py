@@ -25,7 +25,7 @@ from aiohttp import web
 
 from appliance import __version__
 from appliance.audit import Outcome
-from appliance.control import CommandResult, EngineStatus, GpuStatus
+from appliance.control import CommandResult, EngineStatus, GpuStatus, ModelResult, ModelStatus
 from appliance.fsutil import NO_SPACE
 from appliance.gateway.errors import GatewayError
 from appliance.gateway.keys import KeyRecord, KeysFileError, KeySpecError, validate_key_id
@@ -66,6 +66,14 @@ def _engine_json(gw: Gateway, e: EngineStatus, gpu: GpuStatus | None) -> dict[st
     }
 
 
+def _model_json(m: ModelStatus) -> dict[str, Any]:
+    out: dict[str, Any] = {"name": m.name, "load": m.load, "state": m.state}
+    out["last_used"] = round(m.last_used, 3) if m.last_used is not None else None
+    if m.detail:
+        out["detail"] = m.detail  # draining, unloading: on its way out
+    return out
+
+
 def _gpu_json(g: GpuStatus) -> dict[str, Any]:
     r = g.reading
     return {
@@ -97,6 +105,9 @@ def status_document(gw: Gateway) -> dict[str, Any]:
         "queue_depth": gw.admission.queue_depth,
         "engines": [_engine_json(gw, e, status.gpu(e.telemetry_index)) for e in status.engines],
         "gpus": [_gpu_json(g) for g in status.gpus],
+        # Every configured model and its load state (models on demand): loaded, loading,
+        # sleeping or unloaded, and its last request (unix time; null: none yet).
+        "models": [_model_json(m) for m in status.models],
         # State files (usage.json, audit.log, keys.json) failing to be written now: which,
         # why, since when (empty while all are written fine). Serving goes on meanwhile.
         "state_write_failures": [
@@ -155,6 +166,8 @@ class Admin:
         r.add_post("/admin/engines/{id}/restart", self.restart)
         r.add_post("/admin/engines/{id}/drain", self.drain)
         r.add_post("/admin/engines/{id}/resume", self.resume)
+        r.add_post("/admin/models/{name}/load", self.model_load)
+        r.add_post("/admin/models/{name}/unload", self.model_unload)
         r.add_get("/admin/keys", self.keys_list)
         r.add_post("/admin/keys", self.keys_create)
         r.add_delete("/admin/keys/{id}", self.keys_delete)
@@ -233,6 +246,33 @@ class Admin:
                 raise GatewayError(409, result.message, code="cannot_resume")
         self.gw.admission.kick()
         return web.json_response({"id": eid, "state": result.state.value})
+
+    async def model_load(self, request: web.Request) -> web.Response:
+        return await self._model_command(request, "load")
+
+    async def model_unload(self, request: web.Request) -> web.Response:
+        return await self._model_command(request, "unload")
+
+    async def _model_command(self, request: web.Request, action: str) -> web.Response:
+        """Load or unload an on-demand model: 202 once asked (it happens in the
+        background: /admin/status shows the model's state), 404 for no such model, 409
+        for a model that is always loaded."""
+        raw = request.match_info["name"]
+        served = self.gw.appliance.config.model(raw)
+        name = served.name if served is not None else None
+        with self._audited(request, f"model.{action}", f"model:{name or '?'}") as entry:
+            if name is None:
+                raise GatewayError(404, "no model has that name", code="model_not_found")
+            door = self.gw.model_door
+            ask = door.load_model(name) if action == "load" else door.unload_model(name)
+            result: ModelResult = await asyncio.wait_for(ask, COMMAND_WAIT_S)
+            if not result.ok:
+                entry.detail["message"] = result.message
+                raise GatewayError(409, result.message, code="model_always_loaded")
+        if action == "load":
+            self.gw.admission.kick()
+        body = {"model": name, "action": action, "accepted": True, "state": result.state}
+        return web.json_response(body, status=202)
 
     async def keys_list(self, request: web.Request) -> web.Response:
         return web.json_response({"keys": [r.public_dict() for r in self.gw.keys.records]})

@@ -12,10 +12,9 @@ A request that no engine could ever take (it costs more than both
 ``policy/routing.py``) is refused with 400 at once rather than queued to time out.
 
 Requests that find no room wait in a bounded queue, interactive before batch; under
-pressure batch is shed first. A waiter too large for the room any engine has *now* does
-not hold up smaller ones behind it: they go first while it waits, until it has waited
-``gateway.queue_aging_s``; then nobody of its model passes it (batch included), so engines
-drain until it fits. Interactive waiters that fit are always served before batch ones.
+pressure batch is shed first. A waiter too large for the room any engine has *now* lets
+smaller ones pass until it has waited ``gateway.queue_aging_s``; then nobody of its model
+passes it, so engines drain until it fits.
 All but waiting is synchronous: a release hands the slot on without a scheduling gap.
 
 Several models ([[models]]): a request names its model, and everything above happens
@@ -28,10 +27,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Protocol
 
 from appliance.config import Config
@@ -39,6 +36,7 @@ from appliance.engine import EngineState
 from appliance.gateway.errors import GatewayError
 from appliance.gateway.fallback import model_room
 from appliance.gateway.models import candidates
+from appliance.gateway.wait_queue import Waiter, WaitQueue
 from appliance.policy.fallback import ModelRoom
 from appliance.policy.routing import EngineLoad, route
 from appliance.policy.thermal import HARD_LEVEL, scale_budget
@@ -46,6 +44,19 @@ from appliance.policy.thermal import HARD_LEVEL, scale_budget
 KV_BREAKER_OPEN = 0.92
 KV_BREAKER_CLOSE = 0.85
 AFFINITY_SESSIONS = 4096
+
+
+# States from which an engine may serve soon: a request may wait for one of them.
+MAY_SERVE_SOON = frozenset(
+    {
+        EngineState.READY,
+        EngineState.SUSPECT,  # may pass its next check
+        EngineState.STARTING,
+        EngineState.DRAINING,
+        EngineState.EXITED,
+        EngineState.SLEEPING,  # on demand: woken when its model is wanted
+    }
+)
 
 
 class EngineView(Protocol):
@@ -57,19 +68,6 @@ class EngineView(Protocol):
     def state(self) -> EngineState: ...
     @property
     def model(self) -> str: ...
-
-
-@dataclass(slots=True)
-class _Waiter:
-    cost: int
-    session: str | None
-    exclude: frozenset[int]
-    batch: bool
-    since: float
-    model: str | None  # its model's canonical name (None: any engine)
-    future: asyncio.Future[int] = field(
-        default_factory=lambda: asyncio.get_running_loop().create_future()
-    )
 
 
 class Admission:
@@ -93,8 +91,7 @@ class Admission:
         # TCP engines a relay connection found someone else on, until the supervisor's
         # check (gateway/engine_owners.py).
         self.unverified: set[int] = set()
-        self._interactive: collections.deque[_Waiter] = collections.deque()
-        self._batch: collections.deque[_Waiter] = collections.deque()
+        self._queue = WaitQueue()
         self._affinity: collections.OrderedDict[str, int] = collections.OrderedDict()
 
     # ---- views ----------------------------------------------------------------------
@@ -106,12 +103,12 @@ class Admission:
 
     @property
     def queue_depth(self) -> int:
-        return len(self._interactive) + len(self._batch)
+        return len(self._queue)
 
     @property
     def queued(self) -> tuple[int, int]:
         """Requests waiting now: (interactive, batch)."""
-        return len(self._interactive), len(self._batch)
+        return len(self._queue.interactive), len(self._queue.batch)
 
     def loads(self, model: str | None = None) -> list[EngineLoad]:
         """Each engine of ``model`` (None: every engine) as routing sees it, with its own
@@ -159,10 +156,7 @@ class Admission:
     def check_cost(self, cost: int, model: str | None = None) -> None:
         """400 for a request no engine (of ``model``) could ever take, rather than a queue
         timeout."""
-        e = self._config().engine_of(model or "")  # no model is named "": [engine] itself
-        # An idle engine takes any one sequence (routing's rule 1), and a sequence never
-        # costs more than max_model_len: that much always fits eventually.
-        ceiling = max(e.max_inflight_tokens, e.max_model_len)
+        ceiling = self._ceiling(model or "")  # no model is named "": [engine] itself
         if cost > ceiling:
             self._on_reject("too_many_tokens")
             raise GatewayError(
@@ -183,20 +177,28 @@ class Admission:
         session: str | None = None,
         exclude: frozenset[int] = frozenset(),
         model: str | None = None,
+        load_wait_s: float | None = None,
     ) -> int:
         """An engine id (one of ``model``'s) with a slot reserved for this request;
-        release() it when done."""
+        release() it when done. ``load_wait_s``: the model is on demand and being loaded
+        for it; wait that long (whatever its engines' states now) instead of
+        gateway.queue_timeout_s."""
         self.check_cost(cost, model)
-        self._refuse_unless_open(exclude, model)
+        if load_wait_s is None:
+            self._refuse_unless_open(exclude, model)
+        elif not self._accepting():
+            raise self._reject(503, "the server is shutting down", "shutting_down", 5)
         g = self._config().gateway
         if not self._queued_for(model):
             chosen = self._route(cost, session, exclude, model=model)
             if chosen is not None:
                 return chosen
         self._make_room_in_queue(batch, g.max_queue)
-        waiter = _Waiter(cost, session, exclude, batch, self._clock(), model)
-        (self._batch if batch else self._interactive).append(waiter)
+        waiter = Waiter(cost, session, exclude, batch, self._clock(), model)
+        self._queue.add(waiter)
         self.kick()  # room may exist for it: waiters ahead may be waiting for more room
+        if load_wait_s is not None:
+            return await self._wait_in_queue(waiter, load_wait_s, loading=True)
         return await self._wait_in_queue(waiter, g.queue_timeout_s)
 
     def try_acquire(self, cost: int, session: str | None, model: str) -> int | None:
@@ -210,8 +212,14 @@ class Admission:
     def fits(self, cost: int, model: str) -> bool:
         """Whether ``model``'s engines could ever take a request of ``cost`` (check_cost
         without the refusal): a fallback model with a shorter context may not."""
+        return cost <= self._ceiling(model)
+
+    def _ceiling(self, model: str) -> int:
+        """The most one request may cost on ``model``'s engines: an idle engine takes any
+        one sequence (routing's rule 1), and a sequence never costs more than
+        max_model_len, so that much always fits eventually."""
         e = self._config().engine_of(model)
-        return cost <= max(e.max_inflight_tokens, e.max_model_len)
+        return max(e.max_inflight_tokens, e.max_model_len)
 
     def room(self, model: str, cost: int) -> ModelRoom:
         """``model``'s room for a request of ``cost`` now, as the fallback decision reads
@@ -227,9 +235,7 @@ class Admission:
 
     def _queued_for(self, model: str | None) -> bool:
         """Someone of ``model`` is waiting (a newcomer must not pass them)."""
-        if model is None:
-            return self.queue_depth > 0
-        return any(w.model == model for q in (self._interactive, self._batch) for w in q)
+        return self._queue.holds(model)
 
     def _refuse_unless_open(self, exclude: frozenset[int], model: str | None = None) -> None:
         """503 while shutting down, or when no engine of ``model`` (but the excluded) may
@@ -237,15 +243,7 @@ class Admission:
         if not self._accepting():
             raise self._reject(503, "the server is shutting down", "shutting_down", 5)
         if not any(
-            s.state
-            in (
-                EngineState.READY,
-                EngineState.SUSPECT,  # may pass its next check
-                EngineState.STARTING,
-                EngineState.DRAINING,
-                EngineState.EXITED,
-            )
-            and s.id not in exclude
+            s.state in MAY_SERVE_SOON and s.id not in exclude
             for s in candidates(model, self._engines())
         ):
             raise self._reject(
@@ -256,27 +254,32 @@ class Admission:
         """Refuse a waiter the queue has no room for, or shed the newest batch waiter
         to make room for an interactive one."""
         depth = self.queue_depth
-        if batch and depth >= max(1, max_queue // 2):
-            raise self._reject(
+
+        def shed() -> GatewayError:
+            return self._reject(
                 503, "the server is busy; batch requests are shed first", "shed_batch", 5
             )
-        if depth >= max_queue:
-            if batch or not self._batch:
-                raise self._reject(503, "the request queue is full", "queue_full", 5)
-            shed = self._batch.pop()
-            if not shed.future.done():
-                shed.future.set_exception(
-                    self._reject(
-                        503, "the server is busy; batch requests are shed first", "shed_batch", 5
-                    )
-                )
 
-    async def _wait_in_queue(self, waiter: _Waiter, timeout_s: float) -> int:
+        if batch and depth >= max(1, max_queue // 2):
+            raise shed()
+        full = depth >= max_queue
+        if full and (batch or not self._queue.shed_newest_batch(shed)):
+            raise self._reject(503, "the request queue is full", "queue_full", 5)
+
+    async def _wait_in_queue(self, waiter: Waiter, timeout_s: float, loading: bool = False) -> int:
         """The engine a release() or kick() hands the queued ``waiter``; 503 after
-        ``timeout_s``."""
+        ``timeout_s`` (``loading``: its on-demand model did not load in time)."""
         try:
             return await asyncio.wait_for(asyncio.shield(waiter.future), timeout_s)
         except TimeoutError:
+            if loading:
+                raise self._reject(
+                    503,
+                    f"the model '{waiter.model}' is not loaded: it did not load within "
+                    f"{timeout_s:g} s (load_timeout_s); retry later",
+                    "model_loading",
+                    10,
+                ) from None
             raise self._reject(
                 503,
                 f"no engine{_of(waiter.model)} could take the request within {timeout_s:g} s",
@@ -296,12 +299,8 @@ class Admission:
         finally:
             self._forget(waiter)
 
-    def _forget(self, waiter: _Waiter) -> None:
-        queue = self._batch if waiter.batch else self._interactive
-        with contextlib.suppress(ValueError):  # already handed a slot or shed
-            queue.remove(waiter)
-        if not waiter.future.done():
-            waiter.future.cancel()
+    def _forget(self, waiter: Waiter) -> None:
+        self._queue.forget(waiter)
 
     def _route(
         self,
@@ -335,69 +334,19 @@ class Admission:
         self.kick()
 
     def kick(self) -> None:
-        """Hand free slots to waiters: interactive first, each queue in arrival order,
-        a waiter that does not fit now passed by smaller ones of its model until it has
-        aged. Each model's waiters compete for that model's engines only."""
-        if not self._interactive and not self._batch:
+        """Hand free slots to waiters (:mod:`.wait_queue` says in which order)."""
+        if not len(self._queue):
             return
-        now = self._clock()
-        aging_s = self._config().gateway.queue_aging_s
-        held: set[str | None] = set()  # models whose aged waiter holds the line
-        for queue in (self._interactive, self._batch):
-            self._serve(queue, now, aging_s, held)  # an aged one holds its batch too
-
-    def _serve(
-        self,
-        queue: collections.deque[_Waiter],
-        now: float,
-        aging_s: float,
-        held: set[str | None],
-    ) -> None:
-        """Serve the waiters of ``queue`` that fit; a model whose aged waiter did not fit
-        is added to ``held``, and nobody of that model is served after it."""
-        passed: list[_Waiter] = []  # looked at, still waiting: they keep their places
-        loads: dict[str | None, list[EngineLoad]] = {}  # per model, until one changes
-        full: set[str | None] = set()  # models with no free slot on any engine
-        refused_at: dict[str | None, int] = {}  # per model: smallest cost just refused
-        while queue:
-            waiter = queue.popleft()
-            if waiter.future.done():
-                continue
-            model = waiter.model
-            if model in held or model in full:
-                passed.append(waiter)  # nobody of that model fits now, whatever the cost
-                continue
-            model_loads = loads.get(model)
-            if model_loads is None:
-                model_loads = loads[model] = self.loads(model)
-                if not any(x.accepting and x.inflight < x.max_inflight for x in model_loads):
-                    full.add(model)
-                    passed.append(waiter)
-                    continue
-            chosen = None
-            refused = refused_at.get(model)
-            # Without an exclusion, a waiter no smaller than one refused just now is
-            # refused as well: skip the routing (a long queue stays cheap to scan).
-            if waiter.exclude or refused is None or waiter.cost < refused:
-                chosen = self._route(waiter.cost, waiter.session, waiter.exclude, model_loads)
-            if chosen is not None:
-                waiter.future.set_result(chosen)
-                del loads[model]  # that engine's load changed
-                continue
-            passed.append(waiter)
-            if not waiter.exclude:
-                refused_at[model] = waiter.cost if refused is None else min(refused, waiter.cost)
-            if now - waiter.since >= aging_s:
-                held.add(model)  # waited long enough: nobody of its model may pass it now
-        queue.extend(passed)
+        self._queue.serve(
+            self._clock(),
+            self._config().gateway.queue_aging_s,
+            self.loads,
+            lambda w, loads: self._route(w.cost, w.session, w.exclude, loads),
+        )
 
     def fail_waiters(self, reason: str, message: str) -> None:
         """Refuse everyone waiting (shutdown)."""
-        for queue in (self._interactive, self._batch):
-            while queue:
-                w = queue.popleft()
-                if not w.future.done():
-                    w.future.set_exception(self._reject(503, message, reason, 5))
+        self._queue.fail_all(lambda: self._reject(503, message, reason, 5))
 
 
 def _of(model: str | None) -> str:

@@ -20,7 +20,7 @@ import aiohttp
 from aiohttp import web
 
 from appliance.audit import AuditLog
-from appliance.control import Appliance
+from appliance.control import Appliance, ModelDoor, NoModels
 from appliance.endpoint import EngineAddress
 from appliance.engine import EngineState
 from appliance.errors import ApplianceError
@@ -37,6 +37,7 @@ from appliance.gateway.keys import (
 from appliance.gateway.metrics import GatewayMetrics
 from appliance.gateway.middleware import GATEWAY as GATEWAY  # re-exported: serve.py, tests
 from appliance.gateway.middleware import gateway_middleware
+from appliance.gateway.model_metrics import ModelCollector
 from appliance.gateway.models import candidates
 from appliance.gateway.probes import Probes
 from appliance.gateway.protocols import ALL as ALL_ROUTES
@@ -84,6 +85,9 @@ class Gateway:
         self.owners = EngineOwners(appliance, self.admission)
         self.upstreams = UpstreamPool(self.owners.owner_of)  # streamed requests' connections
         self.relay = Relay(self)
+        # Models on demand: the supervisor's side of it, or none (unit tests' fakes).
+        self.model_door: ModelDoor = appliance if isinstance(appliance, ModelDoor) else NoModels()
+        self.metrics.registry.register(ModelCollector(self.model_door))
 
     # ---- GatewayLink (called by the supervisor) ----------------------------------------
     def inflight(self, engine_id: int) -> int:

@@ -1,9 +1,14 @@
-"""What monitoring asks the gateway: ``/healthz``, ``/readyz`` and ``/metrics``.
+"""What monitoring asks the gateway: ``/healthz``, ``/readyz``, ``/health`` and ``/metrics``.
 
 ``/healthz`` says whether the appliance's main loop still ticks; ``/readyz`` whether a
-new request can be served now (and, if not, why, per engine); ``/metrics`` is the
-gateway's Prometheus registry. Access (open routes, or the ``metrics`` scope) is the
-middleware's business (app.py), not these handlers'.
+new request can be served now (and, if not, why, per engine); ``/health`` is the same
+answer as ``/readyz`` under the path load balancers in front of vLLM probe: vllm-router
+waits for ``GET /health`` to say 200 before it starts, whatever its
+``--health-check-endpoint`` (measured, docs/several-boxes.md), and vLLM's own /health
+means "this server can serve", so a box that drains, is too hot or is starting must
+say 503 there too. ``/metrics`` is the gateway's Prometheus registry. Access (open
+routes, or the ``metrics`` scope) is the middleware's business (app.py), not these
+handlers'.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ class Probes:
     def add_routes(self, r: web.UrlDispatcher) -> None:
         r.add_get("/healthz", self.healthz)
         r.add_get("/readyz", self.readyz)
+        r.add_get("/health", self.readyz)  # what routers in front of vLLM probe
         r.add_get("/metrics", self.metrics)
 
     async def healthz(self, request: web.Request) -> web.Response:
@@ -86,12 +92,25 @@ class Probes:
 
 
 def models_ready(gw: Gateway, admitting: set[int]) -> dict[str, str]:
-    """Each served model: "ready" while one of its engines admits new work, else "down"."""
+    """Each served model: "ready" while one of its engines admits new work, else "down";
+    an on-demand model put away says so ("unloaded", "sleeping", "loading"): it is not
+    down, its next request loads it."""
     engines = gw.appliance.engines()
+    away = {m.name: m.state for m in gw.model_door.models() if m.load == "on_demand"}
     return {
-        m.name: ("ready" if any(e.id in admitting for e in candidates(m.name, engines)) else "down")
+        m.name: (
+            "ready"
+            if any(e.id in admitting for e in candidates(m.name, engines))
+            else _put_away(away.get(m.name))
+        )
         for m in gw.appliance.config.served
     }
+
+
+def _put_away(state: str | None) -> str:
+    """A model not admitting: "down", unless it is an on-demand one put away (a loaded
+    one that admits nothing is down like any other)."""
+    return "down" if state in (None, "loaded") else str(state)
 
 
 def not_admitting(gw: Gateway) -> dict[int, str]:

@@ -52,9 +52,11 @@ from appliance.gateway.errors import GatewayError
 from appliance.gateway.failures import Attempt, EngineFailure, engine_error
 from appliance.gateway.fallback import REFUSE_HEADER, SERVED_BY, fallback_allowed
 from appliance.gateway.models import candidates, model_list, resolve
-from appliance.gateway.protocols import Route
+from appliance.gateway.protocols import ROUTES, Route
+from appliance.gateway.protocols.tools import tools_refusal
 from appliance.gateway.request_body import ParsedRequest, finish_body, open_body, read_body
-from appliance.gateway.stored_responses import Holder, StoredResponses, spawn_of
+from appliance.gateway.stored_responses import REPLAY, Holder, StoredResponses, spawn_of
+from appliance.gateway.stored_responses import replays_stream as replays
 from appliance.gateway.via_client import relay_via_client
 from appliance.gateway.via_splice import relay_via_splice
 from appliance.policy.fallback import choose_fallback
@@ -63,6 +65,7 @@ if TYPE_CHECKING:
     from appliance.gateway.app import Gateway
 
 log = logging.getLogger("appliance.gateway")
+LOAD_WAIT = "appliance_load_wait_s"  # request key: its on-demand model is loading for it
 
 
 class Relay:
@@ -127,6 +130,7 @@ class Relay:
         started = time.monotonic()
         record = request["key"]
         parsed, fallback = await self._parse(request, route)
+        self._use_model(request, parsed.model)
         # before tpm: never charge what cannot run
         self.gw.admission.check_cost(parsed.cost, parsed.model)
         pinned = self._pinned(parsed, record.id)
@@ -139,26 +143,21 @@ class Relay:
         return await self._relay_with_failover(request, path, parsed, started, batch)
 
     # ---- state kept in one engine (stored_responses.py) ----------------------------------
+    def _use_model(self, request: web.Request, model: str) -> None:
+        """Mark the model used; an on-demand model not loaded is asked for, and this
+        request waits for it up to its load_timeout_s (see _admit)."""
+        if self.gw.model_door.use_model(model):
+            return
+        served = self.gw.appliance.config.model(model)
+        if served is not None:
+            request[LOAD_WAIT] = {model: served.load_timeout_s}
+
     def _pinned(self, parsed: ParsedRequest, key_id: str) -> int | None:
         """The engine a request must go to (it reads a stored response), or None."""
+        config = self.gw.appliance.config
+        store = (config.engine_of(parsed.model).responses_store, bool(config.models))
         needs = parsed.state.needs if parsed.state is not None else None
-        if needs is None:
-            return None
-        held = self.stored.holder(needs, key_id, self._engine, "previous_response_id")
-        if held.model != parsed.model:
-            raise self.stored_elsewhere(needs, held)
-        return held.engine_id
-
-    @staticmethod
-    def stored_elsewhere(response_id: str, held: Holder) -> GatewayError:
-        return GatewayError(
-            400,
-            f"the response '{response_id}' was made by the model '{held.model}': send the "
-            "request that follows it to that model",
-            param="previous_response_id",
-            code="model_mismatch",
-            reason="bad_request",
-        )
+        return self.stored.engine_for(needs, parsed.model, key_id, self._engine, store)
 
     def _engine(self, engine_id: int) -> Any:
         try:
@@ -168,7 +167,7 @@ class Relay:
 
     def _record_state(self, request: web.Request, parsed: ParsedRequest, engine_id: int) -> None:
         made = parsed.state.made if parsed.state is not None else None
-        if made is not None:
+        if made is not None and self.gw.appliance.config.engine_of(parsed.model).responses_store:
             snap = self.gw.appliance.engine(engine_id)
             held = Holder(engine_id, spawn_of(snap), request["key"].id, parsed.model)
             self.stored.record(made, held)
@@ -205,15 +204,18 @@ class Relay:
         raise engine_error(result)
 
     async def stored_response(self, request: web.Request) -> web.StreamResponse:
-        """``GET /v1/responses/{id}`` and ``POST /v1/responses/{id}/cancel``: to the
-        engine that made the response, for the key that made it (else 404)."""
+        """``GET /v1/responses/{id}`` (``?stream=true``: its events again, as vLLM
+        streams them; spliced streams are POSTs only, so the client relay takes it) and
+        ``POST /v1/responses/{id}/cancel``: to the engine that made the response, for the
+        key that made it (else 404); nothing is counted again (REPLAY)."""
         started = time.monotonic()
         record = request["key"]
         response_id = request.match_info["response_id"]
         held = self.stored.holder(response_id, record.id, self._engine)
         request["model"] = held.model
         self._check_rate(record, 0)
-        parsed = ParsedRequest("responses", held.model, False, 0, None, b"")
+        stream = request.method == "GET" and replays(request.query.get("stream"))
+        parsed = ParsedRequest("responses", held.model, stream, 0, None, b"", REPLAY)
         path = request.path + (f"?{request.query_string}" if request.query_string else "")
         return await self._relay_pinned(
             request, path, parsed, started, False, held.engine_id, request.method
@@ -229,6 +231,11 @@ class Relay:
         served = resolve(config, opened.model, route)
         name = served.name
         request["model"] = name  # the metrics' label: a configured name, never the client's
+        refused = tools_refusal(
+            ROUTES[route].calls_tools, opened.fields, served, bool(config.models)
+        )
+        if refused is not None:
+            raise refused
         max_model_len = config.engine_of(name).max_model_len
         parsed = finish_body(route, opened, request.headers, config.gateway, max_model_len, name)
         return parsed, served.fallback
@@ -242,6 +249,11 @@ class Relay:
         parse (its max_tokens cap, its usage plan) carries over."""
         config = self.gw.appliance.config
         opened = open_body(route, await read_body(request))
+        target = config.model(model)
+        if target is None or tools_refusal(
+            ROUTES[route].calls_tools, opened.fields, target, bool(config.models)
+        ):
+            return None  # a fallback that cannot call the tools the request offers
         parsed = finish_body(
             route,
             opened,
@@ -361,6 +373,7 @@ class Relay:
                 session=parsed.session,
                 exclude=tried,
                 model=parsed.model,
+                load_wait_s=request.get(LOAD_WAIT, {}).get(parsed.model),
             )
         self.gw.metrics.queue_wait.observe(time.monotonic() - queued)
         return engine_id, parsed
@@ -383,7 +396,7 @@ class Relay:
         self._record_state(request, parsed, engine_id)
         call = EngineCall(request, parsed, attempt, snap.address, path, headers, started, method)
         try:
-            if parsed.stream and request.version >= HttpVersion11:
+            if parsed.stream and request.version >= HttpVersion11 and method == "POST":
                 result = await relay_via_splice(self.gw, call)
             else:
                 result = await relay_via_client(self.gw, call)

@@ -29,8 +29,27 @@ from dataclasses import dataclass
 
 from appliance.control import EngineStatus
 from appliance.gateway.errors import GatewayError
+from appliance.gateway.usage_events import EventUsage, Usage, UsagePlan
 
 MAX_KEPT = 100_000  # ids remembered: ~200 bytes each
+# A retrieve or cancel runs no model, and the response's tokens were counted when it was
+# made: its answer and its replayed events count nothing (every count read is zero).
+REPLAY = UsagePlan(
+    added=False,
+    fields={},
+    route="responses",
+    stream=False,
+    max_model_len=0,
+    bound=lambda fields, context: 0,
+    reader=lambda payload: EventUsage(0, 0),
+    answer=lambda body: Usage(0, 0),
+)
+
+
+def replays_stream(value: str | None) -> bool:
+    """Whether a retrieve's ``stream`` query asks for the events (as vLLM's FastAPI reads
+    a boolean query parameter)."""
+    return value is not None and value.lower() in ("true", "1", "yes", "on")
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +77,31 @@ def not_found(response_id: str, param: str, why: str) -> GatewayError:
     )
 
 
+def made_by_other_model(response_id: str, held: Holder) -> GatewayError:
+    """The 400 for a request that continues a response another model made."""
+    return GatewayError(
+        400,
+        f"the response '{response_id}' was made by the model '{held.model}': send the "
+        "request that follows it to that model",
+        param="previous_response_id",
+        code="model_mismatch",
+        reason="bad_request",
+    )
+
+
+def store_off(response_id: str, model: str, tables: bool) -> GatewayError:
+    """The 400 for a request that reads a stored response on a model that keeps none."""
+    key = f"models.{model}.responses_store" if tables else "engine.responses_store"
+    return GatewayError(
+        400,
+        f"the model '{model}' keeps no stored responses ({key} = false), so "
+        f"'{response_id[:64]}' cannot be read: send the whole conversation in 'input' instead",
+        param="previous_response_id",
+        code="response_store_off",
+        reason="bad_request",
+    )
+
+
 class StoredResponses:
     """The bounded map from response id to the :class:`Holder` that made it."""
 
@@ -75,6 +119,26 @@ class StoredResponses:
         self._held.move_to_end(response_id)
         while len(self._held) > self.limit:
             self._held.popitem(last=False)
+
+    def engine_for(
+        self,
+        needs: str | None,
+        model: str,
+        key_id: str,
+        engine: Callable[[int], EngineStatus | None],
+        store: tuple[bool, bool],
+    ) -> int | None:
+        """The engine a request that reads the stored response ``needs`` must go to (None:
+        it reads none); a 400 when ``model`` keeps none or another model made it, a 404
+        when it is gone. ``store``: (the model keeps responses, the config has tables)."""
+        if needs is None:
+            return None
+        if not store[0]:
+            raise store_off(needs, model, store[1])
+        held = self.holder(needs, key_id, engine, "previous_response_id")
+        if held.model != model:
+            raise made_by_other_model(needs, held)
+        return held.engine_id
 
     def holder(
         self,

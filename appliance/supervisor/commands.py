@@ -66,7 +66,20 @@ class CheckNow:
     done: asyncio.Future[CommandResult] = field(compare=False)
 
 
-Command = Drain | Resume | Restart | HeatRestart | Nudge | CheckNow
+@dataclass(frozen=True, slots=True)
+class Park:
+    """Its on-demand model is put away (models_on_demand.py): drain, then stop the engine
+    or, with ``sleep``, put it to sleep; it stays down (not restarted) until unparked."""
+
+    sleep: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Unpark:
+    """Its on-demand model is wanted: start the engine, or wake it."""
+
+
+Command = Drain | Resume | Restart | HeatRestart | Nudge | CheckNow | Park | Unpark
 
 
 WATCHED = frozenset({EngineState.READY, EngineState.SUSPECT, EngineState.DRAINING})
@@ -148,6 +161,13 @@ class ProcessHandle(Protocol):
         stopping: Callable[[], bool],
         poll_s: float,
     ) -> None: ...
+
+
+class Sleeper(Protocol):
+    """vLLM's sleep mode on the engine's own socket (level 1); None: done, else why not."""
+
+    async def sleep(self, api_key: str, timeout_s: float) -> str | None: ...
+    async def wake_up(self, api_key: str, timeout_s: float) -> str | None: ...
 
 
 class Probe(Protocol):

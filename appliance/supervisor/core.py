@@ -41,6 +41,8 @@ from appliance.control import (
     EngineStatus,
     GatewayLink,
     Listening,
+    ModelResult,
+    ModelStatus,
     NoGateway,
     StartHttp,
 )
@@ -52,6 +54,7 @@ from appliance.supervisor.boot import SocketDir, gpu_count, make_plan, open_tele
 from appliance.supervisor.commands import CheckNow, Drain, Nudge, Restart, Resume
 from appliance.supervisor.coordination import RestartCoordinator
 from appliance.supervisor.heat import HeatWatch
+from appliance.supervisor.models_on_demand import ModelsOnDemand
 from appliance.supervisor.notify import SystemdReporter, status_line
 from appliance.supervisor.probe import HttpProbe
 from appliance.supervisor.process import EngineProcess
@@ -101,6 +104,7 @@ class Supervisor:
         # Which appliance this is, in every engine's environment: see leftovers.py.
         self._instance = instance_id(config.gateway.keys_file)
         self._heat: HeatWatch | None = None
+        self._models: ModelsOnDemand | None = None  # each model's load state
         self._sockets = SocketDir()
         self.coordinator = RestartCoordinator(lambda: ((r.id, r.state) for r in self._runners))
         self._tasks = SupervisorTasks()
@@ -134,6 +138,7 @@ class Supervisor:
             ready=self.ready,
             engines=self.engines(),
             gpus=self._heat.gpus() if self._heat else (),
+            models=self.models(),
         )
 
     async def restart(self, engine_id: int) -> CommandResult:
@@ -149,6 +154,21 @@ class Supervisor:
         done: asyncio.Future[CommandResult] = asyncio.get_running_loop().create_future()
         taken = await self._runners[engine_id].ask(CheckNow(done))
         return await done if taken.ok else taken
+
+    # ---- models on demand (appliance.control.ModelDoor) --------------------------------
+    def use_model(self, name: str) -> bool:
+        return self._models.use_model(name) if self._models else True
+
+    def models(self) -> tuple[ModelStatus, ...]:
+        return self._models.models() if self._models else ()
+
+    async def load_model(self, name: str) -> ModelResult:
+        assert self._models is not None
+        return await self._models.load_model(name)
+
+    async def unload_model(self, name: str) -> ModelResult:
+        assert self._models is not None
+        return await self._models.unload_model(name)
 
     # ---- the runners' host (commands.RunnerHost) --------------------------------------
     @property
@@ -168,6 +188,8 @@ class Supervisor:
 
     def state_changed(self, engine_id: int, state: EngineState) -> None:
         self.coordinator.state_changed(engine_id, state)
+        if self._models is not None:  # its model follows at once (before waiters go)
+            self._models.follow(self._runners[engine_id].spec.model)
         self._link.engines_changed()
 
     # ---- entry point ----------------------------------------------------------------
@@ -191,7 +213,9 @@ class Supervisor:
             )
             self.accepting = True
             telemetry = heat.run(self._runners, lambda: self._link, lambda: self._stopping)
-            self._tasks.start(telemetry, self._runners)
+            assert self._models is not None
+            models = self._models.run(lambda: self._stopping or self._stop_task is not None)
+            self._tasks.start(telemetry, self._runners, models)
             await self._main_loop()
         finally:
             for sig in SIGNALS:
@@ -215,6 +239,9 @@ class Supervisor:
             self._runner(spec, process)
             for spec, process in zip(plan.specs, self._processes, strict=True)
         ]
+        self._models = ModelsOnDemand(
+            lambda: self.config, self._runners, lambda: self._link, plan.device
+        )
         log.info("plan: %d %s engine(s): %s", len(self._runners), plan.device, plan.summary())
         if plan.cpu_note:
             log.info("plan: %s", plan.cpu_note)
@@ -225,7 +252,8 @@ class Supervisor:
     # ---- main loop and signals ------------------------------------------------------
     def _runner(self, spec: EngineSpec, process: EngineProcess) -> EngineRunner:
         # The probe reaches a TCP engine only on connections checked to be its tree's.
-        return EngineRunner(spec, self, process, HttpProbe(spec, lambda: process.pid))
+        probe = HttpProbe(spec, lambda: process.pid)
+        return EngineRunner(spec, self, process, probe, sleeper=probe)
 
     async def _main_loop(self) -> None:
         tick_s = self._reporter.tick_interval(TICK_S)
@@ -238,7 +266,9 @@ class Supervisor:
                 self._handlers[sig]()
             now = time.monotonic()
             self.last_tick = now
-            states = [r.state for r in self._runners]
+            # An engine whose on-demand model is put away is down by design: it neither
+            # holds back READY=1 nor counts as failed to start.
+            states = [r.state for r in self._counted()]
             begun = self._stop_task is not None
             self._reporter.tick(now, states, self.accepting, self.status_line(), stopping=begun)
             # Belt and braces for admission: waiters normally get slots on release or
@@ -312,9 +342,15 @@ class Supervisor:
         audit_reload(self._audit, done)
         self._reporter.reloaded()
 
+    def _counted(self) -> list[EngineRunner]:
+        """The runners whose engines should run now: an on-demand model's engines are
+        down by design while it is put away (not "not ready", not "failed to start")."""
+        models = self._models
+        return [r for r in self._runners if models is None or models.counts(r.spec)]
+
     def status_line(self) -> str:
         return status_line(
-            [(r.spec.name, r.state, r.spec.model) for r in self._runners],
+            [(r.spec.name, r.state, r.spec.model) for r in self._counted()],
             self._heat.readings if self._heat else {},
             stopping.in_flight(self._link, self._runners),
             self._stopping or self._stop_task is not None,

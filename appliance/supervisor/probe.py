@@ -54,3 +54,25 @@ class HttpProbe:
     async def kv_usage(self, timeout_s: float) -> float | None:
         assert self._session is not None
         return await read_kv_usage(self._session, self._spec.address.base_url, timeout_s)
+
+    # ---- sleep mode (commands.Sleeper): vLLM's development routes, private socket only --
+    async def sleep(self, api_key: str, timeout_s: float) -> str | None:
+        return await self._post("/sleep?level=1", api_key, timeout_s)
+
+    async def wake_up(self, api_key: str, timeout_s: float) -> str | None:
+        return await self._post("/wake_up", api_key, timeout_s)
+
+    async def _post(self, path: str, api_key: str, timeout_s: float) -> str | None:
+        assert self._session is not None
+        url = self._spec.address.base_url + path
+        try:
+            async with self._session.post(
+                url,
+                headers={"Authorization": f"Bearer {api_key}"},
+                timeout=aiohttp.ClientTimeout(total=timeout_s),
+            ) as r:
+                if r.status == 200:
+                    return None
+                return f"POST {path}: HTTP {r.status}"
+        except (aiohttp.ClientError, TimeoutError, OSError) as e:
+            return f"POST {path}: {e.__class__.__name__}: {e}"

@@ -6,23 +6,14 @@
       ▲                                                                                │
       └──────────────────────────── backoff (unplanned) ◄──────────────────────────────┘
 
-One task per engine runs :meth:`EngineRunner.run`. Nobody else writes its state: others
-read :meth:`EngineRunner.status` (a frozen copy) and ask for changes through its inbox
-(an ``asyncio.Queue`` of :mod:`commands <appliance.supervisor.commands>`): an admin's
-drain, resume or restart, the heat loop's restart, a nudge to look again. The task
-answers commands at every await, even in the middle of a health check or a kill, so an
-asker waits for a decision, never for a slow engine. :meth:`EngineRunner._set_state`
-refuses a call from any other task: a write from outside is a bug that raises, as an
-illegal transition does.
-
-What the runner keeps has owners: its processes (:class:`ProcessHandle`), what its
-checks learned (:class:`HealthWatch`), its restarts and budgets (:class:`RestartBook`),
-the restart it was asked for and the batch size of its next spawn
-(:class:`PlannedRestart`), and the lifecycle state itself, which only this class holds.
-Its waits that change no state (until ready, the backoff, in-flight work draining, the
-kill's grace) are in :mod:`~appliance.supervisor.waits`, and the frozen copy others read
-is built by :mod:`~appliance.supervisor.runner_status`: every move of the state is still
-read in this one file.
+One task per engine runs :meth:`EngineRunner.run`; only it writes the state (a write
+from another task raises, as an illegal transition does). Others read a frozen copy and
+ask through its inbox (:mod:`commands <appliance.supervisor.commands>`), answered at
+every await, so an asker waits for a decision, never for a slow engine. Its parts:
+processes (:class:`ProcessHandle`), checks (:class:`HealthWatch`), restarts and budgets
+(:class:`RestartBook`), the restart asked for (:class:`PlannedRestart`), on-demand
+parking (:class:`Parking`); waits that change no state are in
+:mod:`~appliance.supervisor.waits`. Every move of the state is read in this one file.
 """
 
 from __future__ import annotations
@@ -32,7 +23,7 @@ import logging
 import time
 from typing import Any
 
-from appliance.control import CommandResult, EngineStatus
+from appliance.control import CommandResult
 from appliance.engine import EngineSpec, EngineState, RestartReason, check_transition
 from appliance.errors import IllegalTransition
 from appliance.health import Verdict
@@ -44,15 +35,19 @@ from appliance.supervisor.commands import (
     Drain,
     HeatRestart,
     Nudge,
+    Park,
     Probe,
     ProcessHandle,
     Restart,
     Resume,
     RunnerHost,
+    Sleeper,
+    Unpark,
 )
 from appliance.supervisor.inbox import Inbox
+from appliance.supervisor.parking import Parking
 from appliance.supervisor.planned import PlannedRestart
-from appliance.supervisor.runner_status import StatusCopy
+from appliance.supervisor.runner_status import RunnerFace
 from appliance.supervisor.waits import (
     UNRESPONSIVE_GRACE_S,
     back_off,
@@ -73,11 +68,16 @@ KV_POLL_S = 0.5  # KV usage reads while an engine's KV breaker is open
 RESTARTABLE = frozenset(EngineState) - {EngineState.STOPPING}
 
 
-class EngineRunner:
+class EngineRunner(RunnerFace):
     """Starts, watches and restarts one engine, from one task; see the module docstring."""
 
     def __init__(
-        self, spec: EngineSpec, host: RunnerHost, process: ProcessHandle, probe: Probe
+        self,
+        spec: EngineSpec,
+        host: RunnerHost,
+        process: ProcessHandle,
+        probe: Probe,
+        sleeper: Sleeper | None = None,
     ) -> None:
         self.spec = spec
         self._host = host
@@ -89,9 +89,9 @@ class EngineRunner:
         self._plan = PlannedRestart(spec, self._book, config)  # restart asked for, batch size
         self._task: asyncio.Task[Any] | None = None  # the one task allowed to change state
         self._state = EngineState.EXITED  # where it is in its life
-        self._copy = StatusCopy(spec, process, self._book, self._health)  # what others read
         self._ready_since: float | None = None
         self._asked = AskedChecks()  # the gateway's CheckNow askers, for the next check
+        self._parking = Parking(spec, sleeper)  # on demand: down until its model is loaded
         # The telemetry entries of its GPUs, fixed by the spec: the heat loop asks every
         # reading, and needs no whole status copy for it.
         self.telemetry_indexes = self.status().telemetry_indexes
@@ -105,31 +105,7 @@ class EngineRunner:
     def state(self) -> EngineState:
         return self._state
 
-    @property
-    def heat_reduced(self) -> bool:
-        """Whether it runs with heat-reduced --max-num-batched-tokens."""
-        return self._plan.batched_tokens is not None
-
-    def status(self) -> EngineStatus:
-        return self._copy.of(self._state)  # the same copy until something in it changed
-
-    async def ask(self, command: Command) -> CommandResult:
-        """Hand ``command`` to the runner's task; its answer (the caller bounds the wait)."""
-        return await self._inbox.ask(command)
-
-    def tell(self, command: Command) -> None:
-        """Hand ``command`` to the runner's task, wanting no answer."""
-        self._inbox.tell(command)
-
-    def open(self) -> None:
-        self._health.open()
-
-    async def close(self) -> None:
-        await self._health.close()
-
-    async def kill_now(self, timeout_s: float) -> None:
-        """At exit, after run() returned: whatever happened, no engine process outlives us."""
-        await self._process.kill_tree(timeout_s)
+    # status, ask, tell, open, close, kill_now: RunnerFace (runner_status.py)
 
     # ---- commands, carried out by the runner's task ----------------------------------
     def _answer(self, ok: bool, message: str = "") -> CommandResult:
@@ -144,9 +120,14 @@ class EngineRunner:
             case Restart(reason=reason):
                 return self._restart(reason)
             case HeatRestart():
-                # Only a READY engine is restarted for heat; then its next nap acts.
-                if self._state is EngineState.READY and self._plan.heat(command):
+                # Only a READY engine is restarted for heat; then its next nap acts. A
+                # sleeping one keeps the word until it is woken.
+                hot = self._state in (EngineState.READY, EngineState.SLEEPING)
+                if hot and self._plan.heat(command):
                     self._inbox.wake()
+            case Park() | Unpark():
+                self._parking.obey(command)
+                self._inbox.wake()
             case Nudge():
                 self._inbox.wake()
             case CheckNow(done=done):
@@ -213,10 +194,15 @@ class EngineRunner:
                     await self._inbox.nap(None)  # down until an admin asks for a restart
                     if self._host.stopping or self._plan.requested is None:
                         continue
+                if self._parking.parked:  # its model is not loaded: down until it is
+                    await self._inbox.nap(None)
+                    continue
                 reason = await self._start_and_watch()
                 await self._stop(reason)
                 if self._host.stopping or reason is None:
                     break
+                if self._parking.down():
+                    continue  # put away, or died asleep: restarted when next loaded
                 if self._book_restart(reason) and reason not in PLANNED_REASONS:
                     await back_off(self.spec, self._host, self._book, self._inbox, reason)
         finally:
@@ -281,6 +267,8 @@ class EngineRunner:
                     return self._process.log_exit("while serving")
                 if self._host.stopping:
                     return None
+                if self._parking.asked and (reason := await self._put_away(exited)):
+                    return reason
                 if self._plan.requested is not None and (reason := await self._planned()):
                     return reason
                 if time.monotonic() < next_check and not self._asked.pending:
@@ -310,6 +298,22 @@ class EngineRunner:
         log.info("%s: %s restart: draining first", self.spec.name, reason.value)
         await self._drain_for_restart()
         return reason
+
+    async def _put_away(self, exited: asyncio.Future[int]) -> RestartReason | None:
+        """Its model is put away: drained, then stopped (UNLOAD) or asleep until
+        unparked and woken (None: watch on); a failed sleep or wake stops it instead."""
+        parking, host, key, inbox = self._parking, self._host, self._process.api_key, self._inbox
+        sleep = parking.take()
+        await self._drain_for_restart()
+        if not sleep or not await parking.sleep(host, key, inbox):
+            return RestartReason.UNLOAD
+        self._set_state(EngineState.SLEEPING)
+        if not await parking.until_wanted(host, exited, inbox):
+            return None  # it exited, or the daemon stops: the watch sees either at the top
+        if not await parking.wake(host, key, inbox):
+            return RestartReason.CRASH
+        self._set_state(EngineState.READY)
+        return None
 
     async def _check(self) -> RestartReason | None:
         """One health pass, and what the runner does about it: the reason to replace the
@@ -373,6 +377,7 @@ class EngineRunner:
             EngineState.READY,
             EngineState.SUSPECT,
             EngineState.DRAINING,
+            EngineState.SLEEPING,
         ):
             self._set_state(EngineState.STOPPING)
         host = self._host

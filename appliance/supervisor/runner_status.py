@@ -12,17 +12,70 @@ than an engine changes (#24: that was 3 copies of 25 fields per request with 1 e
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from appliance.control import EngineStatus
+from appliance.control import CommandResult, EngineStatus
 from appliance.engine import EngineSpec, EngineState
 from appliance.health import Observation
 from appliance.policy.speculation import NO_FIGURES, SpecFigures
 from appliance.supervisor.budget import RestartBook
-from appliance.supervisor.commands import ProcessHandle
+from appliance.supervisor.commands import Command, ProcessHandle
+from appliance.supervisor.inbox import Inbox
+from appliance.supervisor.planned import PlannedRestart
+from appliance.supervisor.watch import HealthWatch
 
-if TYPE_CHECKING:
-    from appliance.supervisor.watch import HealthWatch
+
+class RunnerFace:
+    """What others may read of a runner and ask of it (the runner's parts it reads are
+    set by :class:`~appliance.supervisor.runner.EngineRunner`, which alone moves state)."""
+
+    spec: EngineSpec
+    _state: EngineState
+    _process: ProcessHandle
+    _book: RestartBook
+    _health: HealthWatch
+    _plan: PlannedRestart
+    _inbox: Inbox
+
+    @property
+    def id(self) -> int:
+        return self.spec.id
+
+    @property
+    def state(self) -> EngineState:
+        return self._state
+
+    @property
+    def heat_reduced(self) -> bool:
+        """Whether it runs with heat-reduced --max-num-batched-tokens."""
+        return self._plan.batched_tokens is not None
+
+    _copy: StatusCopy | None = None  # made at the first read, from the parts above
+
+    def status(self) -> EngineStatus:
+        """The same frozen copy until something in it changed (:class:`StatusCopy`)."""
+        copy = self._copy
+        if copy is None:
+            copy = self._copy = StatusCopy(self.spec, self._process, self._book, self._health)
+        return copy.of(self._state)
+
+    async def ask(self, command: Command) -> CommandResult:
+        """Hand ``command`` to the runner's task; its answer (the caller bounds the wait)."""
+        return await self._inbox.ask(command)
+
+    def tell(self, command: Command) -> None:
+        """Hand ``command`` to the runner's task, wanting no answer."""
+        self._inbox.tell(command)
+
+    def open(self) -> None:
+        self._health.open()
+
+    async def close(self) -> None:
+        await self._health.close()
+
+    async def kill_now(self, timeout_s: float) -> None:
+        """At exit, after run() returned: whatever happened, no engine process outlives us."""
+        await self._process.kill_tree(timeout_s)
 
 
 def engine_status(

@@ -25,8 +25,15 @@ class SupervisorTasks:
         self._all: list[asyncio.Task[None]] = []
         self._runners: list[asyncio.Task[None]] = []
 
-    def start(self, telemetry: Coroutine[Any, Any, None], runners: Sequence[EngineRunner]) -> None:
+    def start(
+        self,
+        telemetry: Coroutine[Any, Any, None],
+        runners: Sequence[EngineRunner],
+        models: Coroutine[Any, Any, None] | None = None,
+    ) -> None:
         self._all.append(asyncio.create_task(telemetry, name="telemetry"))
+        if models is not None:  # models on demand: their loads and swaps
+            self._all.append(asyncio.create_task(models, name="models"))
         self._runners = [asyncio.create_task(r.run(), name=r.spec.name) for r in runners]
         self._all += self._runners
 

@@ -63,8 +63,10 @@ from aiohttp import web
 
 try:
     from tests.fakes.fake_protocols import ProtocolRoutes
+    from tests.fakes.fake_sleep import SleepMode
 except ImportError:  # run as a script without the repository on sys.path: its folder is
     from fake_protocols import ProtocolRoutes  # type: ignore[import-not-found,no-redef]
+    from fake_sleep import SleepMode  # type: ignore[import-not-found,no-redef]
 
 VERSION = "0.32.0-fake"
 EMBEDDING_DIM = 8
@@ -130,6 +132,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--shutdown-timeout", type=float, default=5.0)
     # GPU mode, for scripts/gpu-check: see "GPU mode" below.
     p.add_argument("--gpu-share", type=float, default=0.0, metavar="FRACTION")
+    p.add_argument("--wake-delay-s", type=float, default=0.5)  # sleep mode: fake_sleep.py
     return p.parse_known_args(argv)
 
 
@@ -428,6 +431,7 @@ class FakeEngine:
         self.faults = dict.fromkeys(STREAM_FAULTS, False)
         self.misframing = Misframing()
         self.gpu_work = GpuWork.start(args.gpu_share)
+        self.sleep_mode = SleepMode(self, args.wake_delay_s)  # VLLM_SERVER_DEV_MODE=1 only
         self.reset_stats()
 
     def reset_stats(self) -> None:
@@ -464,6 +468,8 @@ class FakeEngine:
         ProtocolRoutes(self).add_routes(r)  # responses, messages, tokenize, score, rerank
         r.add_get("/fake/stats", self.fake_stats)
         r.add_post("/fake/control", self.fake_control)
+        if SleepMode.enabled():  # vLLM's development routes, as vLLM registers them
+            self.sleep_mode.add_routes(r)
         return app
 
     @web.middleware
@@ -696,6 +702,9 @@ class FakeEngine:
         return {
             "pid": os.getpid(),
             "child_pid": self.child.pid if self.child else None,
+            "sleeping": self.sleep_mode.sleeping,
+            "sleeps": self.sleep_mode.sleeps,
+            "wakes": self.sleep_mode.wakes,
             "running": self.running,
             "waiting": self.waiting,
             "requests": self.requests,

@@ -54,6 +54,7 @@ class ProtocolRoutes:
     def __init__(self, engine: Any) -> None:
         self.e = engine
         self.store: dict[str, dict[str, Any]] = {}  # vLLM's response store (in memory)
+        self.events: dict[str, list[bytes]] = {}  # background streams' events (event_store)
 
     def add_routes(self, r: web.UrlDispatcher) -> None:
         r.add_post("/v1/responses", self.responses)
@@ -138,7 +139,12 @@ class ProtocolRoutes:
             "total_tokens": prompt + n,
         }
         text = "".join(f" tok{t}" for t in range(n))
-        done = self._response(body, "completed", text, usage)
+        # vLLM 0.32: an answer cut by max_output_tokens is "incomplete" (with why), in a
+        # stream still sent as the response.completed event.
+        cut = n >= (body.get("max_output_tokens") or n + 1)
+        done = self._response(body, "incomplete" if cut else "completed", text, usage)
+        if cut:
+            done["incomplete_details"] = {"reason": "max_output_tokens"}
         if body.get("store") is not False:
             self.store[done["id"]] = done
         return done
@@ -149,20 +155,27 @@ class ProtocolRoutes:
         resp = await self._open(request)
         seq = iter(range(1 << 30))
         start = self._response(body, "in_progress", "", None)
-        await resp.write(sse("response.created", _ev("response.created", seq, response=start)))
-        await resp.write(
-            sse("response.in_progress", _ev("response.in_progress", seq, response=start))
+        # vLLM keeps a background stream's events, which a retrieve with stream=true replays.
+        kept: list[bytes] = (
+            self.events.setdefault(start["id"], []) if body.get("background") else []
         )
+
+        async def send(event: bytes) -> None:
+            kept.append(event)
+            await resp.write(event)
+
+        await send(sse("response.created", _ev("response.created", seq, response=start)))
+        await send(sse("response.in_progress", _ev("response.in_progress", seq, response=start)))
 
         async def token(t: int) -> None:
             kind = "response.output_text.delta"
-            await resp.write(sse(kind, _ev(kind, seq, delta=f" tok{t}", output_index=0)))
+            await send(sse(kind, _ev(kind, seq, delta=f" tok{t}", output_index=0)))
 
         await self._tokens(n, token)
         if self._broken(request):
             return resp
         done = self._done(body, prompt, n)
-        await resp.write(sse("response.completed", _ev("response.completed", seq, response=done)))
+        await send(sse("response.completed", _ev("response.completed", seq, response=done)))
         await resp.write_eof()
         return resp
 
@@ -179,11 +192,24 @@ class ProtocolRoutes:
         by_route = self.e.requests_by_route
         by_route[request.path] = by_route.get(request.path, 0) + 1
 
-    async def retrieve(self, request: web.Request) -> web.Response:
+    async def retrieve(self, request: web.Request) -> web.StreamResponse:
         self._count(request)
         rid = request.match_info["rid"]
         found = self.store.get(rid)
-        return self._not_found(rid) if found is None else web.json_response(found)
+        if found is None:
+            return self._not_found(rid)
+        if request.query.get("stream") != "true":
+            return web.json_response(found)
+        # vLLM 0.32 replays a background stream's events; for any other response its
+        # generator raises after the 200 head, which ends the connection with no event.
+        resp = await self._open(request)
+        for event in self.events.get(rid, []):
+            await resp.write(event)
+        if rid in self.events:
+            await resp.write_eof()
+        elif request.transport is not None:
+            request.transport.close()
+        return resp
 
     async def cancel(self, request: web.Request) -> web.Response:
         self._count(request)

@@ -49,6 +49,10 @@ EXPECTED_MOVES = {
     (S.EXITED, S.STARTING),  # restarted after backoff
     (S.EXITED, S.FAILED),  # restart budget spent
     (S.FAILED, S.STARTING),  # admin restart
+    (S.DRAINING, S.SLEEPING),  # on demand, swap = "sleep": drained, then put to sleep
+    (S.SLEEPING, S.READY),  # woken: its model is wanted again
+    (S.SLEEPING, S.STOPPING),  # unloaded for good, or the daemon stops
+    (S.SLEEPING, S.EXITED),  # died asleep
 }
 ALL_PAIRS = list(itertools.product(EngineState, repeat=2))
 

@@ -337,7 +337,8 @@ async def test_its_state_cannot_be_written_from_outside_its_task() -> None:
         with pytest.raises(IllegalTransition, match="outside the engine's runner task"):
             runner._set_state(S.DRAINING)
         assert runner.state is S.READY
-        public = {n for n in vars(EngineRunner) if not n.startswith("_")}
+        classes = EngineRunner.__mro__[:-1]  # its own and RunnerFace's (runner_status.py)
+        public = {n for c in classes for n in vars(c) if not n.startswith("_")}
         readers = {"id", "state", "heat_reduced", "status"}
         askers = {"ask", "tell"}
         lifetime = {"run", "open", "close", "kill_now"}

@@ -262,6 +262,20 @@ async def test_no_engine_able_to_take_work_is_503_and_readyz_says_why(box: Box) 
         assert (await resp.json())["reasons"] == {"0": "failed", "1": "draining"}
 
 
+async def test_health_is_readyz_for_routers_in_front_without_a_key(box: Box) -> None:
+    """vllm-router waits for GET /health (no key) before it routes to a box: it must
+    say what /readyz says, 200 while engines admit work and 503 while they drain."""
+    async with box.client.get("/health") as resp:
+        assert resp.status == 200
+        assert (await resp.json())["status"] == "ready"
+    box.set_state(0, DRAINING)
+    box.set_state(1, DRAINING)
+    async with box.client.get("/health") as resp:
+        assert resp.status == 503
+        assert resp.headers["Retry-After"] == "5"
+        assert (await resp.json())["reasons"] == {"0": "draining", "1": "draining"}
+
+
 async def test_healthz_follows_the_supervisor_loop_s_tick(box: Box) -> None:
     async with box.client.get("/healthz") as resp:
         assert resp.status == 200

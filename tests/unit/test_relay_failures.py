@@ -23,6 +23,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from appliance.config import Config, EngineConfig
+from appliance.control import NoModels
 from appliance.endpoint import EngineAddress, EngineOwner
 from appliance.gateway import upstream_pool
 from appliance.gateway.errors import GatewayError
@@ -69,6 +70,7 @@ class FakeGateway:
         self.metrics = mock.MagicMock()  # counted elsewhere; not what is tested here
         self.usage = mock.MagicMock()  # likewise (test_usage_store, test_key_usage)
         self.upstreams = UpstreamPool(in_process)
+        self.model_door = NoModels()  # no model loads on demand here
         self._session = session
         self._sessions: list[aiohttp.ClientSession] = []
 

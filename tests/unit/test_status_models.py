@@ -105,3 +105,30 @@ def test_a_daemon_older_than_models_is_read_from_gpu_alone() -> None:
     assert "model " not in table
     assert cells(table, 0)[:2] == ["0", "1"]
     assert cells(table, 1)[:2] == ["1", "-"]
+
+
+def test_models_on_demand_are_listed_with_their_state_and_last_use() -> None:
+    d = doc(engine(0, model="chat"), engine(1, model="coder", state="EXITED"))
+    d["models"] = [
+        {"name": "chat", "load": "always", "state": "loaded", "last_used": None},
+        {"name": "coder", "load": "on_demand", "state": "unloaded", "last_used": 0.0},
+        {
+            "name": "long",
+            "load": "on_demand",
+            "state": "loaded",
+            "last_used": None,
+            "detail": "draining",
+        },
+    ]
+    lines = render_table(d).splitlines()
+    at = lines.index("MODEL                LOAD       STATE      LAST USED")
+    assert lines[at + 1].split() == ["chat", "always", "loaded", "-"]
+    assert lines[at + 2].split()[:3] == ["coder", "on_demand", "unloaded"]
+    assert lines[at + 2].endswith("s ago")
+    assert lines[at + 3].split()[:4] == ["long", "on_demand", "loaded", "(draining)"]
+
+
+def test_without_on_demand_models_there_is_no_models_table() -> None:
+    d = doc(engine(0, model="chat"))
+    d["models"] = [{"name": "chat", "load": "always", "state": "loaded", "last_used": None}]
+    assert "MODEL " not in render_table(d)

@@ -71,6 +71,7 @@ class Route:
     state: Callable[[Mapping[str, Any]], StateRef] | None = None  # ids kept in one engine
     error_event: ErrorEvent = sse_error_event  # what ends a stream broken after its start
     engine_path: str = ""  # "": the path the client called (vLLM serves each of them)
+    calls_tools: Callable[[Mapping[str, Any]], bool] | None = None  # needs a parser (tools.py)
 
     @property
     def path(self) -> str:

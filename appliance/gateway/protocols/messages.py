@@ -43,6 +43,7 @@ from appliance.gateway.protocols.base import (
     positive,
     sse_data,
 )
+from appliance.gateway.protocols.tools import anthropic_calls_tools
 from appliance.gateway.usage_events import EventUsage, Usage, is_count
 
 PATHS = ("/v1/messages", "/v1/messages/count_tokens")
@@ -173,6 +174,7 @@ MESSAGES = Route(
     preamble=1,
     shape="anthropic",
     error_event=error_event,
+    calls_tools=anthropic_calls_tools,
 )
 COUNT_TOKENS = Route(
     name="count_tokens",

@@ -14,6 +14,7 @@ from typing import Any
 from appliance.config import GatewayConfig
 from appliance.gateway.cost import Cost, prompt_bound, request_cost
 from appliance.gateway.protocols.base import Route, bad_request
+from appliance.gateway.protocols.tools import openai_calls_tools
 from appliance.gateway.usage_events import usage_of_answer
 
 
@@ -41,5 +42,6 @@ CHAT = Route(
     answer_usage=usage_of_answer,
     streams=True,
     preamble=1,
+    calls_tools=openai_calls_tools,
 )
 ROUTES = (CHAT,)

@@ -44,6 +44,7 @@ from appliance.gateway.protocols.base import (
     positive,
     sse_data,
 )
+from appliance.gateway.protocols.tools import openai_calls_tools
 from appliance.gateway.usage_events import EventUsage, Usage, is_count
 
 ID_PREFIX = "resp_"
@@ -168,5 +169,6 @@ RESPONSES = Route(
     prepare=_prepare,
     state=_state,
     error_event=error_event,
+    calls_tools=openai_calls_tools,
 )
 ROUTES = (RESPONSES,)

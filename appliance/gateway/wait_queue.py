@@ -1,0 +1,140 @@
+"""The requests waiting for an engine: two queues, interactive before batch, and the
+order in which freed slots are handed out.
+
+Owned by :class:`appliance.gateway.admission.Admission`, which decides *whether* a
+request waits; this module decides *who is served next* when room appears: interactive
+first, each queue in arrival order, a waiter that does not fit now passed by smaller
+ones of its model until it has aged (``gateway.queue_aging_s``); from then on nobody of
+its model passes it (batch included). Each model's waiters compete for that model's
+engines only. Synchronous: a release hands the slot on without a scheduling gap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from appliance.policy.routing import EngineLoad
+
+# (waiter, its model's loads) -> the engine reserved for it, or None.
+Route = Callable[["Waiter", list[EngineLoad]], "int | None"]
+
+
+@dataclass(slots=True)
+class Waiter:
+    cost: int
+    session: str | None
+    exclude: frozenset[int]
+    batch: bool
+    since: float
+    model: str | None  # its model's canonical name (None: any engine)
+    future: asyncio.Future[int] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future()
+    )
+
+
+class WaitQueue:
+    """Interactive and batch waiters, in arrival order."""
+
+    def __init__(self) -> None:
+        self.interactive: collections.deque[Waiter] = collections.deque()
+        self.batch: collections.deque[Waiter] = collections.deque()
+
+    def __len__(self) -> int:
+        return len(self.interactive) + len(self.batch)
+
+    def holds(self, model: str | None) -> bool:
+        """Someone of ``model`` (None: anyone) waits: a newcomer must not pass them."""
+        if model is None:
+            return len(self) > 0
+        return any(w.model == model for q in (self.interactive, self.batch) for w in q)
+
+    def add(self, waiter: Waiter) -> None:
+        (self.batch if waiter.batch else self.interactive).append(waiter)
+
+    def forget(self, waiter: Waiter) -> None:
+        queue = self.batch if waiter.batch else self.interactive
+        with contextlib.suppress(ValueError):  # already handed a slot or shed
+            queue.remove(waiter)
+        if not waiter.future.done():
+            waiter.future.cancel()
+
+    def shed_newest_batch(self, error: Callable[[], BaseException]) -> bool:
+        """Refuse the newest batch waiter with ``error()`` (room for an interactive
+        one); False when no batch waiter is left to shed."""
+        if not self.batch:
+            return False
+        shed = self.batch.pop()
+        if not shed.future.done():
+            shed.future.set_exception(error())
+        return True
+
+    def fail_all(self, error: Callable[[], BaseException]) -> None:
+        """Refuse everyone waiting (shutdown)."""
+        for queue in (self.interactive, self.batch):
+            while queue:
+                w = queue.popleft()
+                if not w.future.done():
+                    w.future.set_exception(error())
+
+    def serve(
+        self,
+        now: float,
+        aging_s: float,
+        loads_of: Callable[[str | None], list[EngineLoad]],
+        reserve: Route,
+    ) -> None:
+        """Hand free slots to the waiters that fit, interactive first."""
+        held: set[str | None] = set()  # models whose aged waiter holds the line
+        for queue in (self.interactive, self.batch):
+            _serve(queue, now, aging_s, held, loads_of, reserve)  # an aged one holds batch too
+
+
+def _serve(
+    queue: collections.deque[Waiter],
+    now: float,
+    aging_s: float,
+    held: set[str | None],
+    loads_of: Callable[[str | None], list[EngineLoad]],
+    reserve: Route,
+) -> None:
+    """Serve the waiters of ``queue`` that fit; a model whose aged waiter did not fit
+    is added to ``held``, and nobody of that model is served after it."""
+    passed: list[Waiter] = []  # looked at, still waiting: they keep their places
+    loads: dict[str | None, list[EngineLoad]] = {}  # per model, until one changes
+    full: set[str | None] = set()  # models with no free slot on any engine
+    refused_at: dict[str | None, int] = {}  # per model: smallest cost just refused
+    while queue:
+        waiter = queue.popleft()
+        if waiter.future.done():
+            continue
+        model = waiter.model
+        if model in held or model in full:
+            passed.append(waiter)  # nobody of that model fits now, whatever the cost
+            continue
+        model_loads = loads.get(model)
+        if model_loads is None:
+            model_loads = loads[model] = loads_of(model)
+            if not any(x.accepting and x.inflight < x.max_inflight for x in model_loads):
+                full.add(model)
+                passed.append(waiter)
+                continue
+        chosen = None
+        refused = refused_at.get(model)
+        # Without an exclusion, a waiter no smaller than one refused just now is
+        # refused as well: skip the routing (a long queue stays cheap to scan).
+        if waiter.exclude or refused is None or waiter.cost < refused:
+            chosen = reserve(waiter, model_loads)
+        if chosen is not None:
+            waiter.future.set_result(chosen)
+            del loads[model]  # that engine's load changed
+            continue
+        passed.append(waiter)
+        if not waiter.exclude:
+            refused_at[model] = waiter.cost if refused is None else min(refused, waiter.cost)
+        if now - waiter.since >= aging_s:
+            held.add(model)  # waited long enough: nobody of its model may pass it now
+    queue.extend(passed)

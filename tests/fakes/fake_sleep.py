@@ -1,0 +1,75 @@
+"""vLLM's sleep mode on the fake engine: ``POST /sleep``, ``POST /wake_up``,
+``GET /is_sleeping``, registered only with ``VLLM_SERVER_DEV_MODE=1`` (as vLLM 0.32's
+``entrypoints/launchers/api_server/routers.py`` does: the development routers,
+``entrypoints/serve/dev/sleep/api_router.py``).
+
+Asleep, the engine's "GPU memory" is given back: with ``--gpu-share`` its fake
+EngineCore's record for the fake pynvml (``procs/<pid>.json``) says share 0, so NVML
+sees the memory freed; a wake takes ``--wake-delay-s`` and takes the memory back. A
+request while asleep is refused (503), as the appliance must never send one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from typing import Any
+
+from aiohttp import web
+
+DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
+FAKE_NVML_ENV = "GPU_CHECK_FAKE_NVML"
+
+
+class SleepMode:
+    def __init__(self, engine: Any, wake_delay_s: float) -> None:
+        self.engine = engine
+        self.wake_delay_s = wake_delay_s
+        self.sleeping = False
+        self.level = 0
+        self.sleeps = 0
+        self.wakes = 0
+
+    @staticmethod
+    def enabled() -> bool:
+        return os.environ.get(DEV_MODE_ENV, "0") not in ("", "0")
+
+    def add_routes(self, r: web.UrlDispatcher) -> None:
+        r.add_post("/sleep", self.sleep)
+        r.add_post("/wake_up", self.wake_up)
+        r.add_get("/is_sleeping", self.is_sleeping)
+
+    async def sleep(self, request: web.Request) -> web.Response:
+        level = int(request.query.get("level", "1"))
+        if not 0 <= level <= 2:
+            return web.json_response({"error": "level must be 0..2"}, status=422)
+        self.sleeping, self.level = True, level
+        self.sleeps += 1
+        self._hold(False)
+        return web.json_response({"status": "sleeping", "level": level})
+
+    async def wake_up(self, request: web.Request) -> web.Response:
+        if self.sleeping:
+            await asyncio.sleep(self.wake_delay_s)  # weights copied back from host RAM
+            self._hold(True)
+            self.sleeping = False
+            self.wakes += 1
+        return web.json_response({"status": "awake", "tags": None})
+
+    async def is_sleeping(self, request: web.Request) -> web.Response:
+        return web.json_response({"is_sleeping": self.sleeping})
+
+    def _hold(self, held: bool) -> None:
+        """The fake EngineCore's memory record: its share while awake, 0 asleep."""
+        fake_dir, child = os.environ.get(FAKE_NVML_ENV), self.engine.child
+        share = float(self.engine.args.gpu_share)
+        if not fake_dir or child is None or share <= 0:
+            return
+        path = os.path.join(fake_dir, "procs", f"{child.pid}.json")
+        gpu = int((os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0])
+        record = {"pid": child.pid, "gpu": gpu, "share": share if held else 0.0}
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(record, f)
+        os.replace(tmp, path)

@@ -1,0 +1,132 @@
+"""Models on demand with ``swap = "sleep"``, on fake GPUs (issue 23).
+
+The daemon sees one fake GPU through the GPU check's fake pynvml (a state directory
+and a ``pynvml`` shim first on PYTHONPATH: tests/gpu_check/fake_nvml.py). Models "a"
+and "b" take turns on GPU 0; their fake engines hold 40 % of its memory while awake
+(``--gpu-share``) and give it back asleep (tests/fakes/fake_sleep.py), and a wake
+takes 0.5 s. What is asserted is what a user and an operator see: answers, model
+states, GPU memory in /admin/status, metrics and the journal.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.fakes.appliance_proc import (
+    REPO,
+    STEADY_HEALTH,
+    Appliance,
+    fake_engine_config,
+    run_appliance,
+)
+from tests.gpu_check.fake_nvml import FAKE_DIR_ENV, default_gpu, write_shim, write_state
+
+pytestmark = pytest.mark.slow
+
+MSGS = [{"role": "user", "content": "hi"}]
+
+
+class Box:
+    def __init__(self, app: Appliance, key: str, nvml: Path) -> None:
+        self.app, self.key, self.nvml = app, key, nvml
+
+    def call(self, method: str, path: str, body: dict[str, Any] | None = None) -> tuple[int, Any]:
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(
+            self.app.url + path,
+            data=data,
+            method=method,
+            headers={"Authorization": f"Bearer {self.key}", "Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                raw = r.read()
+                return r.status, json.loads(raw) if raw.startswith(b"{") else raw.decode()
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read() or b"null")
+
+    def chat(self, model: str) -> tuple[int, Any]:
+        body = {"model": model, "messages": MSGS, "max_tokens": 2}
+        return self.call("POST", "/v1/chat/completions", body)
+
+    def status(self) -> dict[str, Any]:
+        code, body = self.call("GET", "/admin/status")
+        assert code == 200, body
+        return dict(body)
+
+    def state(self, model: str) -> str:
+        return str({m["name"]: m for m in self.status()["models"]}[model]["state"])
+
+    def engine_state(self, model: str) -> str:
+        (e,) = [e for e in self.status()["engines"] if e["model"] == model]
+        return str(e["state"])
+
+    def gpu_memory_gib(self) -> float:
+        return float(self.status()["gpus"][0]["memory_used_bytes"]) / 2**30
+
+    def wait(self, cond: Any, what: str, timeout: float = 60) -> None:
+        self.app.wait_for(cond, timeout, what)
+
+
+@pytest.fixture(scope="module")
+def box(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Box]:
+    tmp = tmp_path_factory.mktemp("on_demand_sleep")
+    nvml = tmp / "nvml"
+    write_state(nvml, [default_gpu(0)])
+    write_shim(nvml)
+    cfg: dict[str, Any] = fake_engine_config(
+        tmp,
+        2,
+        health=STEADY_HEALTH,
+        telemetry={"source": "nvml", "interval_s": 0.2},
+    )
+    cfg["engine"]["device"] = "cuda"
+    fake_gpu = [*cfg["engine"]["command"], "--gpu-share", "0.4", "--wake-delay-s", "0.5"]
+    on_demand = {"load": "on_demand", "swap": "sleep", "gpus": [0], "min_residency_s": 0}
+    cfg["models"] = [
+        {"name": "a", **on_demand, "command": fake_gpu},
+        {"name": "b", **on_demand, "command": fake_gpu},
+    ]
+    env = {FAKE_DIR_ENV: str(nvml), "PYTHONPATH": f"{nvml}:{REPO}"}
+    with run_appliance(tmp, cfg, env) as app:
+        app.wait_for(lambda: (tmp / "admin.key").exists(), 120, "the first admin key")
+        b = Box(app, (tmp / "admin.key").read_text().strip(), nvml)
+        b.wait(lambda: b.call("GET", "/admin/status")[0] == 200, "the gateway")
+        yield b
+
+
+def test_a_model_put_to_sleep_frees_its_gpu_memory_and_wakes_on_request(box: Box) -> None:
+    idle_gib = box.gpu_memory_gib()
+    code, body = box.chat("a")
+    assert code == 200 and body["model"] == "a", body
+    box.wait(lambda: box.gpu_memory_gib() > idle_gib + 30, "a's memory held")
+
+    code, body = box.chat("b")  # a is drained and put to sleep; b starts cold
+    assert code == 200 and body["model"] == "b", body
+    assert box.state("a") == "sleeping"
+    assert box.engine_state("a") == "SLEEPING"
+    log = box.app.log()
+    assert "model a: draining, then put to sleep: to make room for b" in log
+    assert "model a: asleep" in log
+
+    code, body = box.chat("a")  # b goes to sleep; a is woken, not started again
+    assert code == 200 and body["model"] == "a", body
+    assert box.state("b") == "sleeping"
+    assert "model a: loading (wake;" in box.app.log()
+    code, text = box.call("GET", "/metrics")
+    assert 'appliance_model_loads_total{how="wake",model="a"} 1.0' in text
+    # One engine's memory held (a's), the sleeping one's given back.
+    assert box.gpu_memory_gib() < idle_gib + 0.4 * 80 + 1
+
+
+def test_the_sleep_routes_exist_only_on_the_engines_socket(box: Box) -> None:
+    for path in ("/sleep", "/wake_up", "/is_sleeping"):
+        code, _ = box.call("POST" if path != "/is_sleeping" else "GET", path)
+        assert code in (404, 405), path

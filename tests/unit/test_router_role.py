@@ -1,0 +1,196 @@
+"""The Ansible role ``llm_appliance_router`` (ansible/front.yml): syntax, its variable
+checks, and the router arguments it writes for an inventory of boxes, read back as
+systemd reads them and parsed by the real vllm-router's own argument parser.
+
+Render-and-lint only: a converge under a real systemd (tests/systemd) would add the
+router install from PyPI and a boot to CI for little more than these checks and the
+unit's own (tests/unit/test_router_unit.py) prove. The whole ansible/ folder, this role
+included, is linted by tests/ansible/test_role_static.py.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.ansible.test_role_static import ANSIBLE_DIR, ANSIBLE_PLAYBOOK, _run
+from tests.fakes.router_proc import ROUTER_VERSION, install_router
+
+pytestmark = pytest.mark.skipif(
+    ANSIBLE_PLAYBOOK is None,
+    reason="ansible-core is not installed (pip install -r ansible/requirements-dev.txt)",
+)
+yaml = pytest.importorskip("yaml", reason="PyYAML comes with ansible-core, which is missing")
+
+ROLE = ANSIBLE_DIR / "roles" / "llm_appliance_router"
+BOX2 = "llm_appliance_gateway_tls_cert=/etc/ssl/box.pem llm_appliance_gateway_port=8443"
+INVENTORY = f"""\
+[llm_appliance]
+box1 ansible_host=192.0.2.10
+box2 ansible_host=192.0.2.11 {BOX2}
+box3 ansible_host=2001:db8::3 llm_appliance_router_worker_address=box3.lan
+
+[llm_appliance_router]
+localhost ansible_connection=local
+"""
+WORKERS = ["http://192.0.2.10:8080", "https://192.0.2.11:8443", "http://box3.lan:8080"]
+
+
+def _inventory(tmp: Path, text: str = INVENTORY) -> Path:
+    path = tmp / "inventory.ini"
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def _playbook(tmp: Path, plays: list[dict[str, Any]]) -> Path:
+    path = tmp / "play.yml"
+    path.write_text(json.dumps(plays), encoding="utf-8")  # JSON is YAML
+    return path
+
+
+def _render(tmp: Path, extra: dict[str, Any] | None = None) -> str:
+    """The role's environment file for INVENTORY, rendered on the controller."""
+    assert ANSIBLE_PLAYBOOK is not None
+    out = tmp / "router.env"
+    play = {
+        "name": "Render the router's arguments",
+        "hosts": "llm_appliance_router",
+        "gather_facts": False,
+        "vars_files": [str(ROLE / "defaults/main.yml"), str(ROLE / "vars/main.yml")],
+        "tasks": [
+            {
+                "name": "Write the environment file",
+                "ansible.builtin.template": {
+                    "src": str(ROLE / "templates/vllm-router.env.j2"),
+                    "dest": str(out),
+                    "mode": "0644",
+                },
+            }
+        ],
+    }
+    args = [ANSIBLE_PLAYBOOK, "-i", str(_inventory(tmp)), str(_playbook(tmp, [play]))]
+    args += ["-e", json.dumps({"ansible_python_interpreter": sys.executable, **(extra or {})})]
+    proc = _run(args, ANSIBLE_DIR, tmp)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return out.read_text(encoding="utf-8")
+
+
+def _router_args(env_text: str) -> list[str]:
+    """VLLM_ROUTER_ARGS as the unit's ExecStart gets it: unquoted, split at spaces."""
+    for line in env_text.splitlines():
+        if line.startswith("VLLM_ROUTER_ARGS="):
+            return shlex.split(line.partition("=")[2])[0].split()
+    raise AssertionError(env_text)
+
+
+def test_front_playbook_syntax(tmp_path: Path) -> None:
+    assert ANSIBLE_PLAYBOOK is not None
+    proc = _run(
+        [ANSIBLE_PLAYBOOK, "--syntax-check", "-i", str(_inventory(tmp_path)), "front.yml"],
+        ANSIBLE_DIR,
+        tmp_path,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_defaults_match_the_argument_specs() -> None:
+    defaults = yaml.safe_load((ROLE / "defaults/main.yml").read_text())
+    specs = yaml.safe_load((ROLE / "meta/argument_specs.yml").read_text())
+    options = specs["argument_specs"]["main"]["options"]
+    assert {k: v["default"] for k, v in options.items()} == defaults
+
+
+def test_router_version_is_the_one_the_tests_run() -> None:
+    defaults = yaml.safe_load((ROLE / "defaults/main.yml").read_text())
+    assert defaults["llm_appliance_router_version"] == ROUTER_VERSION
+
+
+def test_workers_are_the_boxes_gateways(tmp_path: Path) -> None:
+    args = _router_args(_render(tmp_path))
+    start = args.index("--worker-urls") + 1
+    assert args[start : start + 3] == WORKERS
+    assert args[args.index("--health-check-endpoint") + 1] == "/readyz"
+    assert args[args.index("--policy") + 1] == "cache_aware"
+
+
+def test_workers_given_outright_and_a_private_ca(tmp_path: Path) -> None:
+    text = _render(
+        tmp_path,
+        {
+            "llm_appliance_router_workers": ["https://a.lan:8443"],
+            "llm_appliance_router_ca_file": "/etc/ssl/team-ca.pem",
+        },
+    )
+    args = _router_args(text)
+    assert args[args.index("--worker-urls") + 1 : args.index("--policy")] == ["https://a.lan:8443"]
+    assert "SSL_CERT_FILE=/etc/ssl/team-ca.pem" in text.splitlines()
+
+
+def test_the_real_router_accepts_the_arguments(tmp_path: Path) -> None:
+    """Parsed and validated by vllm-router's own parser: a misspelt flag fails here."""
+    exe = install_router()
+    if isinstance(exe, str):
+        pytest.skip(f"no vllm-router: {exe}")
+    args = _router_args(_render(tmp_path))
+    code = (
+        "import sys; from vllm_router.launch_router import parse_router_args; "
+        "a = parse_router_args(sys.argv[1:]); a._validate_router_args(); "
+        "print(a.worker_urls, a.policy, a.health_check_endpoint)"
+    )
+    python = exe.parent / "python"
+    done = subprocess.run(
+        [str(python), "-c", code, *args], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == f"{WORKERS} cache_aware /readyz"
+
+
+def _validate(tmp: Path, extra: dict[str, Any], inventory: str = INVENTORY) -> str:
+    assert ANSIBLE_PLAYBOOK is not None
+    play = {
+        "name": "Check the router's variables only",
+        "hosts": "llm_appliance_router",
+        "gather_facts": False,
+        "become": False,
+        "roles": [{"role": "llm_appliance_router"}],
+    }
+    args = [ANSIBLE_PLAYBOOK, "-i", str(_inventory(tmp, inventory)), str(_playbook(tmp, [play]))]
+    args += ["--tags", "llm_appliance_router_validate"]
+    args += ["-e", json.dumps({"ansible_python_interpreter": sys.executable, **extra})]
+    proc = _run(args, ANSIBLE_DIR, tmp)
+    return ("ok " if proc.returncode == 0 else "failed ") + proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{}, {"llm_appliance_router_host": "0.0.0.0", "llm_appliance_router_allow_lan": True}],
+    ids=["defaults", "LAN said explicitly"],
+)
+def test_good_variables_pass(tmp_path: Path, extra: dict[str, Any]) -> None:
+    out = _validate(tmp_path, extra)
+    assert out.startswith("ok "), out[-2000:]
+
+
+@pytest.mark.parametrize(
+    ("extra", "inventory", "said"),
+    [
+        ({"llm_appliance_router_policy": "fastest"}, INVENTORY, "llm_appliance_router_policy"),
+        ({"llm_appliance_router_port": 70000}, INVENTORY, "llm_appliance_router_port = 70000"),
+        ({"llm_appliance_router_extra_args": ["--x y"]}, INVENTORY, "must be one word"),
+        ({}, "[llm_appliance_router]\nlocalhost ansible_connection=local\n", "no boxes"),
+        ({"llm_appliance_router_host": "0.0.0.0"}, INVENTORY, "admin routes"),
+    ],
+    ids=["policy", "port", "argument with a space", "no boxes", "LAN without allow_lan"],
+)
+def test_bad_variables_fail_with_the_variable_named(
+    tmp_path: Path, extra: dict[str, Any], inventory: str, said: str
+) -> None:
+    out = _validate(tmp_path, extra, inventory)
+    assert out.startswith("failed "), out[-2000:]
+    assert said in out, out[-2000:]

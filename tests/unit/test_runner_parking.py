@@ -1,0 +1,141 @@
+"""An on-demand engine's runner, parked and unparked (models on demand, issue 23).
+
+In-process, with test_engine_runner's fake process, probe and host, and a fake sleeper
+for vLLM's /sleep and /wake_up: what the runner does when its model is put away by
+stop or by sleep, woken, crashes asleep, or is told of heat while asleep.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from appliance.config import parse_config
+from appliance.endpoint import EngineAddress
+from appliance.engine import EngineSpec, EngineState
+from appliance.supervisor.commands import Nudge, Park, Unpark
+from appliance.supervisor.heat import HeatWatch
+from appliance.supervisor.runner import EngineRunner
+from appliance.telemetry import GpuReading
+from tests.unit.test_engine_runner import CONFIG, FakeHost, FakeProbe, FakeProcess, until
+
+S = EngineState
+
+
+class FakeSleeper:
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.wake_fails = False
+
+    async def sleep(self, api_key: str, timeout_s: float) -> str | None:
+        self.calls.append("sleep")
+        return None
+
+    async def wake_up(self, api_key: str, timeout_s: float) -> str | None:
+        self.calls.append("wake_up")
+        return "POST /wake_up: HTTP 500" if self.wake_fails else None
+
+
+@dataclass
+class One:
+    host: FakeHost
+    runner: EngineRunner
+    proc: FakeProcess
+    sleeper: FakeSleeper
+
+
+@contextlib.asynccontextmanager
+async def parked_engine(**sections: object) -> AsyncIterator[One]:
+    host = FakeHost(parse_config({**CONFIG, **sections}))
+    proc, sleeper = FakeProcess(), FakeSleeper()
+    argv = ("python", "-m", "vllm", "--max-num-batched-tokens", "8192")
+    spec = EngineSpec(0, 0, EngineAddress(uds="/x/e0"), argv, "t-0", on_demand=True, gpus=(0,))
+    runner = EngineRunner(spec, host, proc, FakeProbe(), sleeper=sleeper)
+    host.runners = [runner]
+    task = asyncio.create_task(runner.run())
+    try:
+        yield One(host, runner, proc, sleeper)
+    finally:
+        host.stopping = True
+        runner.tell(Nudge())
+        await asyncio.wait_for(task, 5)
+
+
+async def test_an_on_demand_engine_is_not_started_until_its_model_is_loaded() -> None:
+    async with parked_engine() as e:
+        await asyncio.sleep(0.2)  # the runner had every chance to start it
+        assert (e.proc.spawns, e.runner.state) == (0, S.EXITED)
+        e.runner.tell(Unpark())
+        await until(lambda: e.runner.state is S.READY, "started")
+        assert e.proc.spawns == 1
+
+
+async def test_put_away_by_stop_it_drains_stops_and_stays_down_uncounted() -> None:
+    async with parked_engine() as e:
+        e.runner.tell(Unpark())
+        await until(lambda: e.runner.state is S.READY, "started")
+        e.runner.tell(Park(sleep=False))
+        await until(lambda: e.runner.state is S.EXITED, "stopped")
+        await asyncio.sleep(0.3)  # no backoff and restart follow
+        assert e.proc.spawns == 1 and len(e.proc.kills) == 1
+        assert S.DRAINING in [s for _, s in e.host.seen]  # drained before it went
+        assert e.runner.status().restarts == 0  # an unload is not a restart
+
+
+async def test_put_to_sleep_and_woken_it_is_never_restarted() -> None:
+    async with parked_engine() as e:
+        e.runner.tell(Unpark())
+        await until(lambda: e.runner.state is S.READY, "started")
+        e.runner.tell(Park(sleep=True))
+        await until(lambda: e.runner.state is S.SLEEPING, "asleep")
+        e.runner.tell(Unpark())
+        await until(lambda: e.runner.state is S.READY, "woken")
+        assert e.sleeper.calls == ["sleep", "wake_up"]
+        assert (e.proc.spawns, e.proc.kills) == (1, [])
+
+
+async def test_a_failed_wake_restarts_the_engine() -> None:
+    async with parked_engine() as e:
+        e.runner.tell(Unpark())
+        await until(lambda: e.runner.state is S.READY, "started")
+        e.runner.tell(Park(sleep=True))
+        await until(lambda: e.runner.state is S.SLEEPING, "asleep")
+        e.sleeper.wake_fails = True
+        e.runner.tell(Unpark())
+        await until(lambda: e.proc.spawns == 2 and e.runner.state is S.READY, "started again")
+
+
+async def test_a_crash_while_asleep_waits_for_the_next_load() -> None:
+    async with parked_engine() as e:
+        e.runner.tell(Unpark())
+        await until(lambda: e.runner.state is S.READY, "started")
+        e.runner.tell(Park(sleep=True))
+        await until(lambda: e.runner.state is S.SLEEPING, "asleep")
+        e.proc.crash(1)
+        await until(lambda: e.runner.state is S.EXITED, "gone")
+        await asyncio.sleep(0.3)
+        assert e.proc.spawns == 1  # not restarted while its model is put away
+        e.runner.tell(Unpark())
+        await until(lambda: e.proc.spawns == 2 and e.runner.state is S.READY, "loaded again")
+
+
+async def test_heat_while_asleep_restarts_it_only_once_woken() -> None:
+    thermal = {"heat_restart_after_s": 30, "heat_restore_after_s": 60}
+    async with parked_engine(thermal=thermal) as e:
+        e.runner.tell(Unpark())
+        await until(lambda: e.runner.state is S.READY, "started")
+        e.runner.tell(Park(sleep=True))
+        await until(lambda: e.runner.state is S.SLEEPING, "asleep")
+        heat = HeatWatch(source=None, config=lambda: e.host.config)  # type: ignore[arg-type]
+        heat.readings = {0: GpuReading(0, temperature_c=95.0)}  # the hard limit
+        for now in (100.0, 131.0):
+            heat.govern([e.runner], e.host.link, now)
+            await e.runner.ask(Nudge())
+        await asyncio.sleep(0.3)
+        assert (e.runner.state, e.proc.spawns) == (S.SLEEPING, 1)  # asleep: no restart
+        e.runner.tell(Unpark())
+        await until(lambda: e.proc.spawns == 2 and e.runner.state is S.READY, "restarted")
+        assert e.proc.batched == [None, 4096]
+        assert e.runner.status().restarts_by_reason == {"heat": 1}
