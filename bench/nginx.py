@@ -140,7 +140,7 @@ def _wait_listening(n: Nginx, timeout: float = 10.0) -> None:
 
 
 @contextlib.contextmanager
-def run_nginx(exe: str, upstream_socket: Path) -> Iterator[Nginx]:
+def run_nginx(exe: str, upstream_socket: str) -> Iterator[Nginx]:
     """nginx on a free loopback port, relaying to ``upstream_socket``; stopped after."""
     tmp = Path(tempfile.mkdtemp(prefix="bench-nginx-"))
     # As root, the worker would drop to nobody, who cannot reach the daemon's socket.

@@ -310,7 +310,9 @@ def main() -> None:
         )
         ng = None
         if exe is not None:
-            ng = stack.enter_context(nginx.run_nginx(exe, d.engine_address(0).uds))  # type: ignore[arg-type]
+            sock = d.engine_address(0).uds
+            assert sock is not None  # engine.listen = "unix" above
+            ng = stack.enter_context(nginx.run_nginx(exe, sock))
         data = asyncio.run(run(args, d, ng))
     quiet.stop_watching()
     print()

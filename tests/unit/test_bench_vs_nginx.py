@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+import pytest
+
 from bench import nginx, plots
 from bench._common import Result
 from bench.vs_nginx import Acc, cpu_per_chunk, figures, rotation, table
@@ -67,3 +69,13 @@ def test_chart_of_both_proxies(tmp_path: Path) -> None:
     out = tmp_path / "vs.png"
     plots.vs_nginx(figs, out)
     assert out.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+
+
+def test_without_nginx_and_without_root_it_says_why_in_one_line(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(nginx, "nginx_binary", lambda: None)
+    monkeypatch.setattr(nginx.os, "geteuid", lambda: 1000)
+    exe, why = nginx.ensure_nginx()
+    assert exe is None
+    assert why == "nginx is not installed, and apt-get as root is not available here"
