@@ -8,7 +8,9 @@ the answers exactly as a protocol's client would (a whole answer's ``usage``, a
 Responses stream's ``response.completed``, a Messages stream's ``message_start`` and
 ``message_delta``, a chat stream's usage chunk). It also gives the size of what each
 client sends (a coding agent's system prompt and tools), which is what decides whether
-it fits the model's context.
+it fits the model's context. It is also every client's ``HTTPS_PROXY`` (the gateway
+itself is in ``NO_PROXY``), so a client that reaches for the internet is noted
+(:attr:`Tap.outside`) and refused rather than quietly served by the network.
 
 Threads and the standard library only: the client runs in another process, and the
 relay must not depend on the gateway's own code.
@@ -55,12 +57,17 @@ class Tap:
         parts = urlsplit(upstream)
         self.host, self.port = parts.hostname or "127.0.0.1", parts.port or 80
         self.exchanges: list[Exchange] = []
+        self.outside: list[str] = []  # hosts a client asked the tap, as its proxy, to reach
         self.lock = threading.Lock()
         self.url = ""
 
     def record(self, ex: Exchange) -> None:
         with self.lock:
             self.exchanges.append(ex)
+
+    def reached_for(self, host: str) -> None:
+        with self.lock:
+            self.outside.append(host)
 
     def since(self, start: int) -> list[Exchange]:
         with self.lock:
@@ -79,6 +86,9 @@ def _handler(tap: Tap) -> type[http.server.BaseHTTPRequestHandler]:
             pass  # the test prints what matters
 
         def _relay(self) -> None:
+            if not self.path.startswith("/"):  # an absolute URL: asked as a proxy
+                self.do_CONNECT()
+                return
             size = int(self.headers.get("Content-Length") or 0)
             body = self.rfile.read(size) if size else b""
             names = frozenset(k.lower() for k in self.headers)
@@ -107,6 +117,13 @@ def _handler(tap: Tap) -> type[http.server.BaseHTTPRequestHandler]:
                 self.close_connection = True
 
         do_GET = do_POST = do_DELETE = _relay
+
+        def do_CONNECT(self) -> None:
+            """A client that tries the internet through its proxy (the tests set the tap
+            as every client's HTTPS_PROXY): noted, and refused."""
+            tap.reached_for(self.path)
+            self.close_connection = True
+            self.send_error(403, "llm-appliance e2e: no internet for clients under test")
 
     return Relay
 

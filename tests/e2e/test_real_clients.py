@@ -41,10 +41,11 @@ from typing import Any
 import jsonschema
 import pytest
 
+from appliance import paths
 from tests.e2e import clients
 from tests.e2e.conftest import RealAppliance, missing_setup, real_home, serving
 from tests.e2e.tap import Exchange, Tap, engine_usage, running_tap
-from tests.fakes.appliance_proc import get_json, real_engine_config
+from tests.fakes.appliance_proc import real_engine_config
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -62,7 +63,7 @@ INSTALL_TIMES: dict[str, float] = {}
 
 def model_context() -> int:
     """The converted SmolLM2's context, from its own config."""
-    config = real_home() / "models" / "SmolLM2-135M-Instruct" / "config.json"
+    config = paths.packaged_model(real_home()) / "config.json"
     return int(json.loads(config.read_text())["max_position_embeddings"])
 
 
@@ -100,11 +101,11 @@ class Box:
         self, what: str, argv: list[str], env: dict[str, str], cwd: Path | None = None
     ) -> tuple[subprocess.CompletedProcess[str], list[Exchange]]:
         """Run a client to its end; what it printed and what it exchanged."""
-        start = self.tap.mark()
+        start, outside = self.tap.mark(), len(self.tap.outside)
         began = time.monotonic()
         done = subprocess.run(
             argv,
-            env={**_base_env(), **env},
+            env={**self.env(), **env},
             cwd=cwd or self.tmp,
             capture_output=True,
             text=True,
@@ -115,8 +116,20 @@ class Box:
         seen = self.tap.since(start)
         sizes = ", ".join(f"{ex.path} {len(ex.request) / 1024:.1f} KB {ex.status}" for ex in seen)
         print(f"\n[clients] {what}: {time.monotonic() - began:.1f} s; requests: {sizes}")
+        # Every documented switch that keeps the client offline is set: it must not try.
+        assert self.tap.outside[outside:] == [], f"{what} reached for the internet"
         assert done.returncode == 0, f"{what} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
         return done, seen
+
+    def env(self) -> dict[str, str]:
+        """The test's environment without anything that would send a client elsewhere,
+        and the tap as every client's proxy: the internet is closed to them (tap.py)."""
+        drop = ("OPENAI_", "ANTHROPIC_", "CLAUDE_", "CODEX_", "LLM_")
+        env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
+        for name in ("HTTPS_PROXY", "HTTP_PROXY", "ALL_PROXY"):
+            env[name] = env[name.lower()] = self.tap.url
+        env["NO_PROXY"] = env["no_proxy"] = "127.0.0.1,localhost"
+        return env
 
     def assert_charged(self, key_id: str, seen: list[Exchange]) -> tuple[int, int]:
         """The key was charged exactly what the engine counted in the answers."""
@@ -135,12 +148,6 @@ def _get_text(url: str, headers: dict[str, str]) -> tuple[int, str]:
     req = urllib.request.Request(url, headers=headers)
     with urllib.request.urlopen(req, timeout=10) as r:
         return r.status, r.read().decode()
-
-
-def _base_env() -> dict[str, str]:
-    """The test's environment without anything that would send a client elsewhere."""
-    drop = ("OPENAI_", "ANTHROPIC_", "CLAUDE_", "CODEX_", "LLM_")
-    return {k: v for k, v in os.environ.items() if not k.startswith(drop)}
 
 
 def installed(kind: str, name: str) -> Path:
@@ -180,6 +187,9 @@ def box(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Box]:
     with serving(tmp, cfg, engines=1) as real, running_tap(real.url) as tap:
         print(f"\n[clients] engine READY after {real.timings['all_ready_s']:.1f} s")
         yield Box(real, tap, tmp)
+        # The figures for CI: a warm cache installs nothing.
+        times = {name: round(s, 1) for name, s in INSTALL_TIMES.items()}
+        print(f"\n[clients] install or cache lookup, s: {times}")
 
 
 def client_env(box: Box, key: str) -> dict[str, str]:
@@ -262,18 +272,19 @@ def test_llm_cli_with_the_appliance_as_an_openai_compatible_model(box: Box) -> N
         f"  api_base: {box.tap.url}/v1\n  api_key_name: appliance\n"
     )
     env = {"LLM_USER_PATH": str(home)}
-    box_run_quiet(box, [str(llm), "keys", "set", "appliance", "--value", key], env)
+    keys = subprocess.run(
+        [str(llm), "keys", "set", "appliance", "--value", key],
+        env={**box.env(), **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert keys.returncode == 0, keys.stderr
     done, seen = box.run("llm CLI", [str(llm), "-m", "appliance", "Say hello."], env)
     print(f"[clients] llm printed: {done.stdout.strip()!r}")
     assert done.stdout.strip()
     box.assert_charged(key_id, seen)
-
-
-def box_run_quiet(box: Box, argv: list[str], env: dict[str, str]) -> None:
-    done = subprocess.run(
-        argv, env={**_base_env(), **env}, capture_output=True, text=True, timeout=60, check=False
-    )
-    assert done.returncode == 0, done.stderr
 
 
 def test_codex_cli_exec_on_the_responses_api(box: Box) -> None:
@@ -307,6 +318,9 @@ def codex_config(url: str) -> str:
     return f"""model = "{MODEL}"
 model_provider = "appliance"
 check_for_update_on_startup = false
+
+[features]
+plugins = false   # else it syncs plugin lists from github.com and chatgpt.com
 
 [analytics]
 enabled = false
@@ -356,9 +370,3 @@ def test_claude_code_print_mode_on_the_messages_api(box: Box) -> None:
     assert {ex.path.split("?")[0] for ex in seen} == {"/v1/messages"}
     assert all("x-api-key" in ex.header_names for ex in seen)
     box.assert_charged(key_id, seen)
-
-
-def test_install_times(box: Box) -> None:
-    """Not a check: the figures for CI (a warm cache installs nothing)."""
-    print(f"\n[clients] install or cache lookup, s: {INSTALL_TIMES}")
-    assert get_json(box.real.url + "/healthz")[0] == 200
