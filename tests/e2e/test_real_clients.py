@@ -6,12 +6,15 @@ is 4-80 KB) and vLLM's ``hermes`` tool-call parser (the agents send ``tools``, w
 vLLM refuses without one). Each client is installed once into its own folder under
 ``~/.cache/llm-appliance/clients`` (tests/e2e/clients.py) and run as a user runs it,
 pointed at a recording pass-through in front of the gateway (tests/e2e/tap.py), so the
-test knows what the engine counted even where the client does not print it.
+test knows what the engine counted even where the client does not print it. The tap is
+also every client's proxy and refuses the internet: with the documented switches set
+(docs/connect-your-tools.md) no client may even try, and none needs a login.
 
 Each test asserts what its user sees: the client exits 0 and shows the model's text,
 and the key it used was charged exactly the engine's own counts (``/metrics``
 ``appliance_key_tokens_total`` for that key's id). A 135M model's answers are poor; the
-words are not asserted, only that they came.
+words are not asserted, only that they came. No gateway change was needed for any of
+these clients: each route and shape they use was already served.
 
 What the module needs for that, and why:
 - greedy sampling by default (``--override-generation-config``): coding agents send no
@@ -42,6 +45,7 @@ import jsonschema
 import pytest
 
 from appliance import paths
+from appliance.config.models import MODEL_ENGINE_KEYS, MODEL_KEYS
 from tests.e2e import clients
 from tests.e2e.conftest import RealAppliance, missing_setup, real_home, serving
 from tests.e2e.tap import Exchange, Tap, engine_usage, running_tap
@@ -173,23 +177,28 @@ def box(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Box]:
         gateway={"max_tokens_cap": 256},
         restart={"degradation_restart": False},
     )
-    cfg["engine"] |= {
-        "max_model_len": model_context(),
-        "extra_args": [
-            "--enable-auto-tool-choice",
-            "--tool-call-parser",
-            "hermes",
-            "--override-generation-config",
-            '{"temperature": 0}',
-        ],
-    }
-    cfg["models"] = [{"name": MODEL, "model": "packaged:smollm2-135m-instruct"}]
+    cfg["engine"]["max_model_len"] = model_context()
+    model = {"name": MODEL, "model": "packaged:smollm2-135m-instruct"}
+    cfg["models"] = [model | tool_parser("hermes", GREEDY)]
     with serving(tmp, cfg, engines=1) as real, running_tap(real.url) as tap:
         print(f"\n[clients] engine READY after {real.timings['all_ready_s']:.1f} s")
         yield Box(real, tap, tmp)
         # The figures for CI: a warm cache installs nothing.
         times = {name: round(s, 1) for name, s in INSTALL_TIMES.items()}
         print(f"\n[clients] install or cache lookup, s: {times}")
+
+
+GREEDY = ["--override-generation-config", '{"temperature": 0}']
+
+
+def tool_parser(name: str, extra_args: list[str]) -> dict[str, Any]:
+    """A model's settings for vLLM's tool-call parser ``name``: the per-model
+    ``tool_call_parser`` key (CONTRACT) where this version of the config has it (then
+    the gateway knows the model takes tools), else vLLM's own flags."""
+    if "tool_call_parser" in (*MODEL_KEYS, *MODEL_ENGINE_KEYS):
+        return {"tool_call_parser": name, "extra_args": extra_args}
+    flags = ["--enable-auto-tool-choice", "--tool-call-parser", name]
+    return {"extra_args": [*flags, *extra_args]}
 
 
 def client_env(box: Box, key: str) -> dict[str, str]:
