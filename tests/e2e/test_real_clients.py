@@ -45,7 +45,6 @@ import jsonschema
 import pytest
 
 from appliance import paths
-from appliance.config.models import MODEL_ENGINE_KEYS, MODEL_KEYS
 from tests.e2e import clients
 from tests.e2e.conftest import RealAppliance, missing_setup, real_home, serving
 from tests.e2e.tap import Exchange, Tap, engine_usage, running_tap
@@ -179,7 +178,8 @@ def box(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Box]:
     )
     cfg["engine"]["max_model_len"] = model_context()
     model = {"name": MODEL, "model": "packaged:smollm2-135m-instruct"}
-    cfg["models"] = [model | tool_parser("hermes", GREEDY)]
+    # hermes: the agents send tool_choice "auto", which needs a tool-call parser.
+    cfg["models"] = [model | {"tool_call_parser": "hermes", "extra_args": GREEDY}]
     with serving(tmp, cfg, engines=1) as real, running_tap(real.url) as tap:
         print(f"\n[clients] engine READY after {real.timings['all_ready_s']:.1f} s")
         yield Box(real, tap, tmp)
@@ -189,16 +189,6 @@ def box(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Box]:
 
 
 GREEDY = ["--override-generation-config", '{"temperature": 0}']
-
-
-def tool_parser(name: str, extra_args: list[str]) -> dict[str, Any]:
-    """A model's settings for vLLM's tool-call parser ``name``: the per-model
-    ``tool_call_parser`` key (CONTRACT) where this version of the config has it (then
-    the gateway knows the model takes tools), else vLLM's own flags."""
-    if "tool_call_parser" in (*MODEL_KEYS, *MODEL_ENGINE_KEYS):
-        return {"tool_call_parser": name, "extra_args": extra_args}
-    flags = ["--enable-auto-tool-choice", "--tool-call-parser", name]
-    return {"extra_args": [*flags, *extra_args]}
 
 
 def client_env(box: Box, key: str) -> dict[str, str]:
