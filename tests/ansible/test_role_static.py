@@ -28,6 +28,8 @@ import pytest
 
 from appliance.config import SECTIONS, Config, load_config, parse_config
 from appliance.config.models import MODEL_ENGINE_KEYS, MODEL_KEYS, TASKS
+from appliance.config.on_demand import ADAPTER_CONFIG, LOADS, SWAPS
+from appliance.config.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
 
 REPO = Path(__file__).resolve().parents[2]
 ANSIBLE_DIR = REPO / "ansible"
@@ -199,6 +201,21 @@ def test_defaults_pass_the_variable_checks(tmp_path: Path) -> None:
             id="model-task-not-a-choice",
         ),
         pytest.param(
+            {"llm_appliance_engine_tool_call_parser": "hermess"},
+            ["Validation of arguments failed", "llm_appliance_engine_tool_call_parser", "hermes"],
+            id="parser-not-a-choice",
+        ),
+        pytest.param(
+            {"llm_appliance_models": [{"name": "chat", "load": "lazy"}]},
+            ["Validation of arguments failed", "llm_appliance_models", "always, on_demand"],
+            id="model-load-not-a-choice",
+        ),
+        pytest.param(
+            {"llm_appliance_models": [{"name": "chat", "adapters": [{"name": "sql"}]}]},
+            ["missing required arguments: path found in llm_appliance_models -> adapters"],
+            id="model-adapter-without-path",
+        ),
+        pytest.param(
             {"llm_appliance_command_link": "bin/llm-appliance"},
             ["llm_appliance_command_link = bin/llm-appliance: must be"],
             id="relative-command-link",
@@ -256,6 +273,16 @@ RENDER_VARIANTS: dict[str, dict[str, Any]] = {
                 "speculative": {"method": "ngram", "num_speculative_tokens": 4},
                 "env": {"ODD": 'x"y\\z', "UNI": "ü"},
                 "max_model_len": "2048",
+                "tool_call_parser": "hermes",
+                "reasoning_parser": "qwen3",
+                "responses_store": "no",
+                "load": "on_demand",
+                "idle_unload_s": "600",
+                "swap": "sleep",
+                "load_timeout_s": "120",
+                "min_residency_s": "0",
+                # check-config reads the folder: the fixture makes it an adapter.
+                "adapters": [{"name": "chat-sql", "path": "{render}/lora/sql"}],
             },
             {
                 "name": "embed",
@@ -276,6 +303,17 @@ RENDER_VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 
+def _in_render_dir(value: Any, tmp: Path) -> Any:
+    """``value`` with every "{render}" in its strings (however deep) made ``tmp``."""
+    if isinstance(value, str):
+        return value.replace("{render}", str(tmp))
+    if isinstance(value, list):
+        return [_in_render_dir(v, tmp) for v in value]
+    if isinstance(value, dict):
+        return {k: _in_render_dir(v, tmp) for k, v in value.items()}
+    return value
+
+
 @pytest.fixture(scope="module")
 def rendered(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Render config.toml.j2 once per variant with Ansible's own template module, with the
@@ -288,12 +326,12 @@ def rendered(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     sensors = tmp / "sensors dir" / "sensors.json"
     sensors.parent.mkdir()
     sensors.write_text('{"gpus": []}')
+    adapter = tmp / "lora" / "sql"
+    adapter.mkdir(parents=True)
+    (adapter / ADAPTER_CONFIG).write_text("{}")
     tasks: list[dict[str, Any]] = []
     for name, variant in RENDER_VARIANTS.items():
-        overrides = {
-            k: v.replace("{render}", str(tmp)) if isinstance(v, str) else v
-            for k, v in variant.items()
-        }
+        overrides = {k: _in_render_dir(v, tmp) for k, v in variant.items()}
         tasks.append(
             {
                 "name": f"Render the {name} config",
@@ -426,6 +464,14 @@ def test_models_render_as_models_tables_the_daemon_serves(rendered: dict[str, An
         "embed",
     )
     assert embed.engine.gpu_memory_utilization == 0.5
+    # Parsers, the response store and models on demand reach the daemon with their types.
+    assert (chat.engine.tool_call_parser, chat.engine.reasoning_parser) == ("hermes", "qwen3")
+    assert chat.engine.responses_store is False and embed.engine.responses_store is True
+    assert (chat.load, chat.swap, embed.load) == ("on_demand", "sleep", "always")
+    assert (chat.idle_unload_s, chat.load_timeout_s, chat.min_residency_s) == (600, 120, 0)
+    assert [(a.name, Path(a.path).parts[-2:]) for a in chat.adapters] == [
+        ("chat-sql", ("lora", "sql"))
+    ]
     # What -e and INI inventories give as strings is written with its config type.
     assert raw["models"][1]["gpus"] == [1, 2] and raw["models"][1]["tensor_parallel_size"] == 2
 
@@ -438,9 +484,30 @@ def test_argument_specs_know_every_model_key_and_require_a_name() -> None:
     assert set(spec["options"]) == {*MODEL_KEYS, *MODEL_ENGINE_KEYS}
     assert spec["options"]["name"].get("required") is True
     assert spec["options"]["task"]["choices"] == list(TASKS)
+    assert spec["options"]["load"]["choices"] == list(LOADS)
+    assert spec["options"]["swap"]["choices"] == list(SWAPS)
+    adapter = spec["options"]["adapters"]
+    assert (adapter["type"], adapter["elements"]) == ("list", "dict")
+    assert {k: o.get("required") for k, o in adapter["options"].items()} == {
+        "name": True,
+        "path": True,
+    }
     for key, sub in spec["options"].items():
         assert "type" in sub and sub.get("description"), key
         assert "default" not in sub, key  # an absent key means the daemon's default
+
+
+def test_parser_choices_are_the_names_check_config_accepts() -> None:
+    """The role refuses a parser name before the host is touched, with the same list as
+    check-config (parsers.py, itself compared with vLLM's registries): "" is off."""
+    options = _load("meta/argument_specs.yml")["argument_specs"]["main"]["options"]
+    models = options["llm_appliance_models"]["options"]
+    for key, names in (
+        ("tool_call_parser", TOOL_CALL_PARSERS),
+        ("reasoning_parser", REASONING_PARSERS),
+    ):
+        assert options[f"{PREFIX}engine_{key}"]["choices"] == [*names, ""], key
+        assert models[key]["choices"] == [*names, ""], key
 
 
 @pytest.mark.parametrize(
