@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from appliance.cli import main
-from appliance.config import Config, parse_config
+from appliance.config import SECTIONS, Config, parse_config
 from appliance.export.production_stack import NOT_CARRIED, export
 from appliance.export.yaml_out import dump
 
@@ -234,7 +234,17 @@ def test_command_writes_values_and_says_what_does_not_carry_over(
 ) -> None:
     out = tmp_path / "values.yaml"
     assert (
-        main(["export", "production-stack", "--config", str(_docs_example(0)), "-o", str(out)]) == 0
+        main(
+            [
+                "export",
+                "production-stack",
+                "--config",
+                str(_docs_example(_two_models_example())),
+                "-o",
+                str(out),
+            ]
+        )
+        == 0
     )
     written = yaml.safe_load(out.read_text())
     assert [s["name"] for s in written["servingEngineSpec"]["modelSpec"]] == ["chat", "embed"]
@@ -260,10 +270,18 @@ def test_a_missing_config_is_a_config_error(
 
 
 def _docs_examples() -> list[str]:
+    """The appliance configs among docs/'s TOML blocks (connect-your-tools.md also shows
+    other programs' TOML, e.g. Codex's config)."""
     blocks = []
     for doc in sorted((REPO / "docs").glob("*.md")):
         blocks += re.findall(r"```toml\n(.*?)```", doc.read_text(encoding="utf-8"), re.S)
-    return blocks
+    ours = {*SECTIONS, "models"}
+    return [b for b in blocks if set(tomllib.loads(b)) <= ours]
+
+
+def _two_models_example() -> int:
+    """The docs example with a chat model and an embedding model."""
+    return next(i for i, b in enumerate(_docs_examples()) if 'name = "embed"' in b)
 
 
 _WRITTEN: dict[int, Path] = {}
