@@ -33,6 +33,7 @@ import argparse
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import json
 import os
 import random
@@ -51,6 +52,17 @@ import psutil
 from appliance import paths
 from bench import plots
 from bench._common import StatePoller, p99_per_bin, per_bin, plot_path, write_plot
+from bench.soak_box import StateDisk
+from bench.soak_checks import KILLED, connection_error_class, exit_causes, window_counts
+from bench.soak_faults import (
+    FaultRecord,
+    Faults,
+    disk_full,
+    engine_oom,
+    engine_view,
+    kill_supervisor,
+    named_exit,
+)
 from tests.fakes.appliance_proc import (
     REPO,
     Appliance,
@@ -61,7 +73,7 @@ from tests.fakes.appliance_proc import (
 )
 
 RETRY_STATUSES = {429, 503}
-CLASSES = ("ok", "refused", "disconnected", "lost")
+CLASSES = ("ok", "refused", "disconnected", KILLED, "lost")
 STATES_EVERY_S = 0.5
 CLEAN_ENGINE_FAILURES = {502, 504}
 
@@ -78,6 +90,8 @@ class Tally:
     t0: float = 0.0  # when the load started (monotonic)
     # second of run at which each request ended, by class: the timeline's counts
     ended: dict[str, list[float]] = field(default_factory=lambda: {c: [] for c in CLASSES})
+    # (killed at, serving again at) of each supervisor SIGKILL, seconds of the run
+    down: list[tuple[float, float | None]] = field(default_factory=list)
 
     def add(self, cls: str, reason: str = "", example: str = "") -> None:
         self.classes[cls] += 1
@@ -86,6 +100,16 @@ class Tally:
             self.reasons[f"{cls}: {reason}"] += 1
         if cls == "lost" and len(self.lost_examples) < 10:
             self.lost_examples.append(example)
+
+    def cut(self, started: float, reason: str, example: str) -> None:
+        """A connection that broke or was refused: on the killed supervisor when that
+        was dead meanwhile, else lost."""
+        now = time.monotonic() - self.t0
+        self.add(connection_error_class(started - self.t0, now, self.down), reason, example)
+
+    def note(self, what: str) -> None:
+        self.events.append((time.monotonic() - self.t0, what))
+        print(f"[soak] {time.monotonic() - self.t0:6.1f} s  {what}", flush=True)
 
 
 async def one_request(
@@ -135,8 +159,8 @@ async def one_request(
                         tally.add("refused", "error event mid-stream")
                         return
                     else:
-                        tally.add(
-                            "lost",
+                        tally.cut(
+                            started,
                             "stream ended without [DONE] or error event",
                             f"{path} stream tail {tail[-200:]!r}",
                         )
@@ -173,7 +197,7 @@ async def one_request(
         tally.add("lost", "no answer within the client timeout", f"{path} stream={stream}")
         return
     except aiohttp.ClientError as exc:
-        tally.add("lost", f"connection: {type(exc).__name__}", f"{path}: {exc!r}")
+        tally.cut(started, f"connection: {type(exc).__name__}", f"{path}: {exc!r}")
         return
     latency = time.monotonic() - started
     tally.latencies.append(latency)
@@ -218,35 +242,39 @@ def engine_pid(app: Appliance, key: str, i: int) -> int | None:
 
 
 async def chaos(
-    app: Appliance,
-    admin: str,
+    faults: Faults,
     sensors: Path,
     keys_file: Path,
     tally: Tally,
-    t0: float,
     duration: float,
     flood: Any,
 ) -> None:
-    """The schedule: each event at a fixed share of the run."""
+    """The schedule: each event at a fixed share of the run (an event that waits for the
+    daemon to recover can push the next ones later; each is noted when it happens)."""
+    app, admin, t0, note = faults.app, faults.admin, faults.t0, tally.note
     good_keys = keys_file.read_bytes()
 
     async def at(share: float) -> None:
         await asyncio.sleep(max(0.0, t0 + share * duration - time.monotonic()))
 
-    def note(what: str) -> None:
-        tally.events.append((time.monotonic() - t0, what))
-        print(f"[soak] {time.monotonic() - t0:6.1f} s  {what}", flush=True)
-
     await at(0.10)
     pid = engine_pid(app, admin, 0)
     if pid:
+        rec = faults.record("engine0 SIGKILL")
+        before = engine_view(app, admin, 0).get("last_exit")
         os.kill(pid, signal.SIGKILL)
         note(f"SIGKILL engine0 API server (pid {pid})")
+        rec.exit_cause = await named_exit(app, admin, 0, before)
+        rec.until_s = round(faults.now(), 1)
+    await at(0.17)
+    await engine_oom(faults, 1)
     await at(0.25)
     pid = engine_pid(app, admin, 1)
     if pid:
         os.kill(pid, signal.SIGSTOP)
         note(f"SIGSTOP engine1 (pid {pid})")
+    await at(0.30)
+    await disk_full(faults, min(60.0, 0.1 * duration))
     await at(0.40)
     write_sensors(sensors, [95, 60])
     note("GPU 0 heated to 95 °C")
@@ -267,6 +295,8 @@ async def chaos(
     await at(0.80)
     app.signal(signal.SIGHUP)
     note("SIGHUP")
+    await at(0.85)
+    await kill_supervisor(faults)
 
 
 def config_for(kind: str, tmp: Path, sensors: Path) -> dict[str, dict[str, Any]]:
@@ -330,139 +360,210 @@ def percentile(values: list[float], p: float) -> float:
     return ordered[min(len(ordered) - 1, int(p * len(ordered)))]
 
 
+@dataclass
+class Run:
+    """One soak's daemon and what the load needs of it."""
+
+    app: Appliance
+    faults: Faults
+    keys: list[str]
+    model: str
+    keys_file: Path
+    sup: psutil.Process  # the first life: its RSS and fds at start
+    poller: StatePoller
+    good_keys: bytes  # the keys file as the soak made it: any other bytes are damage
+    rss0: int = 0
+    fds0: int = 0
+
+
 async def soak(args: argparse.Namespace) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="soak-"))
     sensors = tmp / "sensors.json"
     write_sensors(sensors, [60, 60])
+    # The state directory (keys, usage, audit, admin.key) on a tmpfs of its own, which
+    # the disk-full fault fills; a plain directory (and that fault skipped) without root.
+    disk = StateDisk.make(tmp / "state")
+    if not disk.mounted:
+        print(f"[soak] the disk-full fault will be skipped: {disk.why_not}", flush=True)
     cfg = config_for(args.engines, tmp, sensors)
+    cfg["gateway"]["keys_file"] = str(disk.path / "keys.json")
     env = {"LLM_APPLIANCE_HOME": str(paths.appliance_home())} if args.engines == "real" else {}
     tally = Tally()
-    with run_appliance(tmp, cfg, env=env) as app:
-        app.wait_ready(300)
-        if args.engines == "real":
-            app.wait_for(
-                lambda: get_json(app.url + "/readyz")[1].get("engines_ready") == [0, 1],
-                300,
-                "both engines ready",
+    try:
+        with run_appliance(tmp, cfg, env=env) as app, contextlib.ExitStack() as stack:
+            # run_appliance's teardown knows the first life only: a later one, if the
+            # soak breaks, is ended here.
+            stack.callback(kill_if_running, app)
+            run = await start(app, args, disk, tally, tmp)
+            stack.callback(run.faults.cleanup)
+            await load(run, args, cfg, sensors, tally)
+            return finish(run, args, tally)
+    finally:
+        disk.unmount()
+
+
+def kill_if_running(app: Appliance) -> None:
+    if app.proc.poll() is None:
+        app.proc.kill()
+        app.proc.wait(10)
+
+
+async def start(
+    app: Appliance, args: argparse.Namespace, disk: StateDisk, tally: Tally, tmp: Path
+) -> Run:
+    app.wait_ready(300)
+    if args.engines == "real":
+        app.wait_for(
+            lambda: get_json(app.url + "/readyz")[1].get("engines_ready") == [0, 1],
+            300,
+            "both engines ready",
+        )
+    admin = (disk.path / "admin.key").read_text().strip()
+    cfg_path = tmp / "config.toml"
+    keys = [
+        create_key(cfg_path, "soak-interactive", "interactive"),
+        create_key(cfg_path, "soak-batch", "batch"),
+    ]
+    await asyncio.sleep(2.5)  # the daemon picks key changes up within 2 s
+    models = get_json(app.url + "/v1/models", headers={"Authorization": f"Bearer {admin}"})[1]
+    model = str(models["data"][0]["id"])
+    tally.t0 = time.monotonic()
+    faults = Faults(
+        app, admin, disk, args.engines == "fake", tally.t0, tally.note, keys[0], model, tally.down
+    )
+    faults.journals.append(app.log_path)
+    sup = psutil.Process(app.proc.pid)
+    poller = StatePoller(app.url, {"Authorization": f"Bearer {admin}"}, tally.t0, STATES_EVERY_S)
+    keys_file = disk.path / "keys.json"
+    run = Run(app, faults, keys, model, keys_file, sup, poller, keys_file.read_bytes())
+    run.rss0, run.fds0 = sup.memory_info().rss, sup.num_fds()
+    return run
+
+
+async def load(
+    run: Run, args: argparse.Namespace, cfg: dict[str, Any], sensors: Path, tally: Tally
+) -> None:
+    """The mixed load from ``args.concurrency`` clients, and the chaos schedule beside it."""
+    app, t0 = run.app, tally.t0
+    until = t0 + args.duration
+    timeout_s = 120.0 if args.engines == "real" else 30.0
+    long_tokens = 128 if args.engines == "real" else 64
+    connector = aiohttp.TCPConnector(limit=0)
+    poller = run.poller
+    stop_polling = asyncio.Event()
+    async with aiohttp.ClientSession(connector=connector) as session:
+        polling = asyncio.create_task(poller.run(session, stop_polling))
+
+        def ask(worker_rng: random.Random, key: str) -> Any:
+            return one_request(
+                session, app.url, key, run.model, worker_rng, tally, t0, timeout_s, long_tokens
             )
-        admin = (tmp / "admin.key").read_text().strip()
-        cfg_path = tmp / "config.toml"
-        keys = [
-            create_key(cfg_path, "soak-interactive", "interactive"),
-            create_key(cfg_path, "soak-batch", "batch"),
-        ]
-        await asyncio.sleep(2.5)  # the daemon picks key changes up within 2 s
-        model = get_json(app.url + "/v1/models", headers={"Authorization": f"Bearer {admin}"})[1][
-            "data"
-        ][0]["id"]
-        sup = psutil.Process(app.proc.pid)
-        rss0, fds0 = sup.memory_info().rss, sup.num_fds()
-        t0 = time.monotonic()
-        tally.t0 = t0
-        until = t0 + args.duration
-        timeout_s = 120.0 if args.engines == "real" else 30.0
-        long_tokens = 128 if args.engines == "real" else 64
-        connector = aiohttp.TCPConnector(limit=0)
-        poller = StatePoller(app.url, {"Authorization": f"Bearer {admin}"}, t0, STATES_EVERY_S)
-        stop_polling = asyncio.Event()
-        async with aiohttp.ClientSession(connector=connector) as session:
-            polling = asyncio.create_task(poller.run(session, stop_polling))
 
-            async def flood() -> None:
-                n = int(cfg["gateway"]["max_queue"]) * 3
-                await asyncio.gather(
-                    *(
-                        one_request(
-                            session,
-                            app.url,
-                            keys[i % 2],
-                            model,
-                            random.Random(10_000 + i),
-                            tally,
-                            t0,
-                            timeout_s,
-                            long_tokens,
-                        )
-                        for i in range(n)
-                    )
-                )
-
-            workers = [
-                client(
-                    w,
-                    session,
-                    app.url,
-                    keys,
-                    model,
-                    tally,
-                    t0,
-                    until,
-                    timeout_s,
-                    long_tokens,
-                    0.2 if args.engines == "fake" else 1.0,
-                )
-                for w in range(args.concurrency)
-            ]
+        async def flood() -> None:
+            n = int(cfg["gateway"]["max_queue"]) * 3
             await asyncio.gather(
-                chaos(
-                    app,
-                    admin,
-                    sensors,
-                    Path(cfg["gateway"]["keys_file"]),
-                    tally,
-                    t0,
-                    args.duration,
-                    flood,
-                ),
-                *workers,
+                *(ask(random.Random(10_000 + i), run.keys[i % 2]) for i in range(n))
             )
-            stop_polling.set()
-            await polling
-        rss1, fds1 = sup.memory_info().rss, sup.num_fds()
-        pids = {p.pid for p in sup.children(recursive=True)}
-        groups = set()
-        for pid in pids:
-            with contextlib.suppress(OSError):
-                groups.add(os.getpgid(pid))
-        app.signal(signal.SIGTERM)
-        code = app.wait_exit(120)
-        time.sleep(0.5)
-        left = [
-            p.pid
-            for p in psutil.process_iter()
-            if p.pid in pids and p.status() != psutil.STATUS_ZOMBIE
+
+        pause_s = 0.2 if args.engines == "fake" else 1.0
+        workers = [
+            client(
+                w,
+                session,
+                app.url,
+                run.keys,
+                run.model,
+                tally,
+                t0,
+                until,
+                timeout_s,
+                long_tokens,
+                pause_s,
+            )
+            for w in range(args.concurrency)
         ]
-        for p in psutil.process_iter():
-            with contextlib.suppress(psutil.Error, OSError):
-                if os.getpgid(p.pid) in groups - {os.getpgrp()} and p.pid not in left:
-                    left.append(p.pid)
-        log_path = app.log_path
+        await asyncio.gather(
+            chaos(run.faults, sensors, run.keys_file, tally, args.duration, flood), *workers
+        )
+        stop_polling.set()
+        await polling
+
+
+def finish(run: Run, args: argparse.Namespace, tally: Tally) -> int:
+    """SIGTERM to the daemon (the last life), what it left, the report."""
+    app = run.app
+    sup = psutil.Process(app.proc.pid)
+    rss1, fds1 = sup.memory_info().rss, sup.num_fds()
+    pids = {p.pid for p in sup.children(recursive=True)}
+    groups = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            groups.add(os.getpgid(pid))
+    app.signal(signal.SIGTERM)
+    code = app.wait_exit(120)
+    time.sleep(0.5)
+    left = [
+        p.pid for p in psutil.process_iter() if p.pid in pids and p.status() != psutil.STATUS_ZOMBIE
+    ]
+    for p in psutil.process_iter():
+        with contextlib.suppress(psutil.Error, OSError):
+            if os.getpgid(p.pid) in groups - {os.getpgrp()} and p.pid not in left:
+                left.append(p.pid)
+    damaged_at_end = run.faults.disk.problems(run.good_keys)
     report = {
         "engines": args.engines,
         "duration_s": args.duration,
         "concurrency": args.concurrency,
         "sent": sum(tally.classes.values()),
         # Every class, zero included: a report must say "lost: 0", not leave it out.
-        **{c: tally.classes[c] for c in ("ok", "refused", "disconnected", "lost")},
+        **{c: tally.classes[c] for c in CLASSES},
         "reasons": dict(tally.reasons),
         "lost_examples": tally.lost_examples,
         "ok_latency_p50_s": round(percentile(tally.latencies, 0.5), 3),
         "ok_latency_p99_s": round(percentile(tally.latencies, 0.99), 3),
-        "supervisor_rss_mib": [round(rss0 / 2**20, 1), round(rss1 / 2**20, 1)],
-        "supervisor_fds": [fds0, fds1],
+        # The first life's at the start, the last life's at the end.
+        "supervisor_rss_mib": [round(run.rss0 / 2**20, 1), round(rss1 / 2**20, 1)],
+        "supervisor_fds": [run.fds0, fds1],
         "exit_code": code,
         "engine_processes_left": len(left),
+        "files_damaged_at_end": damaged_at_end,
+        "faults": fault_table(run.faults.records, tally),
+        "exit_causes": exit_cause_counts(run.faults.journals),
         "events": tally.events,
         "latency_after_events": after_events(tally),
-        "log": str(log_path),
+        "logs": [str(p) for p in run.faults.journals],
     }
     print(json.dumps(report, indent=2))
     # The timeline goes in the file (for the chart), not on the screen: hundreds of numbers.
-    report["timeline"] = timeline(tally, poller, args.duration)
+    report["timeline"] = timeline(tally, run.poller, args.duration)
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2))
     write_plot(plots.soak, report, plot_path(args.plot, args.out))
-    return 0 if tally.classes["lost"] == 0 and not left and code == 0 else 1
+    records = run.faults.records
+    clean = (
+        not left
+        and not damaged_at_end
+        and all(not r.processes_left and not r.files_damaged for r in records)
+    )
+    return 0 if tally.classes["lost"] == 0 and clean and code == 0 else 1
+
+
+def fault_table(records: list[FaultRecord], tally: Tally) -> list[dict[str, Any]]:
+    """Each fault with what the requests that ended in its window did."""
+    out = []
+    for rec in records:
+        until = rec.until_s if rec.until_s is not None else rec.at_s
+        rec.requests = window_counts(tally.ended, rec.at_s, until)
+        out.append(dataclasses.asdict(rec))
+    return out
+
+
+def exit_cause_counts(journals: list[Path]) -> dict[str, int]:
+    counts: collections.Counter[str] = collections.Counter()
+    for path in journals:
+        with contextlib.suppress(OSError):
+            counts += exit_causes(path.read_text(errors="replace"))
+    return dict(counts)
 
 
 def timeline(tally: Tally, poller: StatePoller, duration_s: float) -> dict[str, Any]:
