@@ -6,18 +6,25 @@
 Runs a real ``llm-appliance serve`` (two engines: fast fake engines, or real vLLM on
 CPU with one core each) on loopback, drives it with a mixed load (streaming and not,
 short and long, interactive and batch keys, clients that disconnect mid-stream), and
-fires a chaos schedule spread over the run: SIGKILL of an engine's API server, SIGSTOP
-of an engine, a GPU heated through ``file:`` telemetry, a corrupt keys file then a good
-one, a flood past ``max_queue``, and SIGHUP. Every request ends in exactly one class:
+fires a chaos schedule spread over the run: SIGKILL of an engine's API server, an
+engine OOM-killed by the kernel, SIGSTOP of an engine, the state disk full for a minute,
+a GPU heated through ``file:`` telemetry, a corrupt keys file then a good one, a flood
+past ``max_queue``, SIGHUP, and at last ``serve`` itself SIGKILLed and started again (the
+faults outside the happy path are ``bench.soak_faults``: what each checks is there).
+Every request ends in exactly one class:
 
 - ``ok``: a complete answer (non-streamed JSON with choices; a stream ending in [DONE]);
 - ``refused``: 429/503 with Retry-After, or a stream ended by an error event, or an
   OpenAI-shaped 502/504 (the engine failed before answering on both tries) — a clean no;
 - ``disconnected``: the client hung up on purpose;
+- ``on_killed_supervisor``: its connection broke or was refused while ``serve`` was
+  dead (SIGKILLed, not yet serving again): what a client of a killed daemon sees, and
+  the only requests the gateway had accepted that may end without an answer;
 - ``lost``: no answer, a hang past the client timeout, a broken stream without an error
   event, a non-JSON error, a 5xx other than 502/503/504. **Must be 0.**
 
-At the end the daemon gets SIGTERM; it must exit 0 and leave no engine process behind.
+At the end the daemon (the last life) gets SIGTERM; it must exit 0 and leave no engine
+process behind, and no fault may have left a process or damaged a state file.
 Supervisor RSS and open fds are reported at start and end. Bounded in time; only
 loopback addresses are used.
 

@@ -314,7 +314,7 @@ async def engine_oom(f: Faults, i: int) -> FaultRecord:
 async def _oom_in(f: Faults, cage: MemCage, i: int, pids: list[int]) -> bool:
     await asyncio.to_thread(cage.add, pids)
     cage.limit(cage.usage() + 16 * MIB)
-    f.note(f"engine{i} (pids {pids}) in a memory cgroup, its limit squeezed")
+    f.note(f"engine{i} in a memory cgroup, its limit squeezed (pids {pids})")
     if f.fake:  # the fake engine holds little and allocates less: ask it to
         asyncio.get_running_loop().run_in_executor(
             None, lambda: f.app.engine_control(i, allocate_mib=256)
