@@ -272,6 +272,7 @@ async def chaos(
         os.kill(pid, signal.SIGKILL)
         note(f"SIGKILL engine0 API server (pid {pid})")
         rec.exit_cause = await named_exit(app, admin, 0, before)
+        await faults.serving_again(0)
         rec.until_s = round(faults.now(), 1)
     await at(0.17)
     await engine_oom(faults, 1)

@@ -154,6 +154,12 @@ class Faults:
         self.records.append(rec)
         return rec
 
+    async def serving_again(self, i: int) -> None:
+        """Until engine i is READY again: the end of an engine fault's window."""
+        await wait_until(
+            lambda: engine_view(self.app, self.admin, i).get("state") == "READY", 600, 0.5
+        )
+
     def cleanup(self) -> None:
         for cage in self.cages:
             cage.remove()
@@ -304,7 +310,7 @@ async def engine_oom(f: Faults, i: int) -> FaultRecord:
         rec.notes.append("fell back to SIGKILL: the cause should then read 'signal', not 'oom'")
         f.note(f"SIGKILL engine{i} (pid {pid}) in place of an OOM kill")
     rec.exit_cause = await named_exit(f.app, f.admin, i, before)
-    await wait_until(lambda: engine_view(f.app, f.admin, i).get("state") == "READY", 600, 1.0)
+    await f.serving_again(i)
     rec.until_s = round(f.now(), 1)
     if cage is not None:
         await wait_until(cage.remove, 30, 1.0)
