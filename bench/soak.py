@@ -264,7 +264,11 @@ async def chaos(
     async def at(share: float) -> None:
         await asyncio.sleep(max(0.0, t0 + share * duration - time.monotonic()))
 
-    await at(0.10)
+    # First, while both engines serve (real ones take minutes to come back on a busy
+    # box): usage must be counted while the disk is full for the check to mean anything.
+    await at(0.01)
+    await disk_full(faults, min(60.0, 0.1 * duration))
+    await at(0.12)
     pid = engine_pid(app, admin, 0)
     if pid:
         rec = faults.record("engine0 SIGKILL")
@@ -272,8 +276,7 @@ async def chaos(
         os.kill(pid, signal.SIGKILL)
         note(f"SIGKILL engine0 API server (pid {pid})")
         rec.exit_cause = await named_exit(app, admin, 0, before)
-        await faults.serving_again(0)
-        rec.until_s = round(faults.now(), 1)
+        faults.close_when_ready(rec, 0)
     await at(0.17)
     await engine_oom(faults, 1)
     await at(0.25)
@@ -281,8 +284,6 @@ async def chaos(
     if pid:
         os.kill(pid, signal.SIGSTOP)
         note(f"SIGSTOP engine1 (pid {pid})")
-    await at(0.30)
-    await disk_full(faults, min(60.0, 0.1 * duration))
     await at(0.40)
     write_sensors(sensors, [95, 60])
     note("GPU 0 heated to 95 °C")
@@ -493,6 +494,7 @@ async def load(
         await asyncio.gather(
             chaos(run.faults, sensors, run.keys_file, tally, args.duration, flood), *workers
         )
+        await run.faults.settle(60)
         stop_polling.set()
         await polling
 
