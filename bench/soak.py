@@ -38,9 +38,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import collections
 import contextlib
-import dataclasses
 import json
 import os
 import random
@@ -49,7 +47,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -58,17 +56,24 @@ import psutil
 
 from appliance import paths
 from bench import plots
-from bench._common import StatePoller, p99_per_bin, per_bin, plot_path, write_plot
+from bench._common import StatePoller, plot_path, write_plot
 from bench.soak_box import StateDisk
-from bench.soak_checks import KILLED, connection_error_class, exit_causes, window_counts
 from bench.soak_faults import (
-    FaultRecord,
     Faults,
     disk_full,
     engine_oom,
     engine_view,
     kill_supervisor,
     named_exit,
+)
+from bench.soak_report import (
+    CLASSES,
+    Tally,
+    after_events,
+    exit_cause_counts,
+    fault_table,
+    percentile,
+    timeline,
 )
 from tests.fakes.appliance_proc import (
     REPO,
@@ -80,43 +85,8 @@ from tests.fakes.appliance_proc import (
 )
 
 RETRY_STATUSES = {429, 503}
-CLASSES = ("ok", "refused", "disconnected", KILLED, "lost")
 STATES_EVERY_S = 0.5
 CLEAN_ENGINE_FAILURES = {502, 504}
-
-
-@dataclass
-class Tally:
-    classes: collections.Counter[str] = field(default_factory=collections.Counter)
-    reasons: collections.Counter[str] = field(default_factory=collections.Counter)
-    lost_examples: list[str] = field(default_factory=list)
-    latencies: list[float] = field(default_factory=list)
-    events: list[tuple[float, str]] = field(default_factory=list)
-    # (second of run, latency) of ok requests, to show what each chaos event did
-    timeline: list[tuple[float, float]] = field(default_factory=list)
-    t0: float = 0.0  # when the load started (monotonic)
-    # second of run at which each request ended, by class: the timeline's counts
-    ended: dict[str, list[float]] = field(default_factory=lambda: {c: [] for c in CLASSES})
-    # (killed at, serving again at) of each supervisor SIGKILL, seconds of the run
-    down: list[tuple[float, float | None]] = field(default_factory=list)
-
-    def add(self, cls: str, reason: str = "", example: str = "") -> None:
-        self.classes[cls] += 1
-        self.ended[cls].append(time.monotonic() - self.t0)
-        if reason:
-            self.reasons[f"{cls}: {reason}"] += 1
-        if cls == "lost" and len(self.lost_examples) < 10:
-            self.lost_examples.append(example)
-
-    def cut(self, started: float, reason: str, example: str) -> None:
-        """A connection that broke or was refused: on the killed supervisor when that
-        was dead meanwhile, else lost."""
-        now = time.monotonic() - self.t0
-        self.add(connection_error_class(started - self.t0, now, self.down), reason, example)
-
-    def note(self, what: str) -> None:
-        self.events.append((time.monotonic() - self.t0, what))
-        print(f"[soak] {time.monotonic() - self.t0:6.1f} s  {what}", flush=True)
 
 
 async def one_request(
@@ -362,13 +332,6 @@ def create_key(cfg_path: Path, name: str, priority: str) -> str:
     return out.stdout.splitlines()[0].strip()
 
 
-def percentile(values: list[float], p: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(p * len(ordered)))]
-
-
 @dataclass
 class Run:
     """One soak's daemon and what the load needs of it."""
@@ -556,57 +519,6 @@ def finish(run: Run, args: argparse.Namespace, tally: Tally) -> int:
         and all(not r.processes_left and not r.files_damaged for r in records)
     )
     return 0 if tally.classes["lost"] == 0 and clean and code == 0 else 1
-
-
-def fault_table(records: list[FaultRecord], tally: Tally) -> list[dict[str, Any]]:
-    """Each fault with what the requests that ended in its window did."""
-    out = []
-    for rec in records:
-        until = rec.until_s if rec.until_s is not None else rec.at_s
-        rec.requests = window_counts(tally.ended, rec.at_s, until)
-        out.append(dataclasses.asdict(rec))
-    return out
-
-
-def exit_cause_counts(journals: list[Path]) -> dict[str, int]:
-    counts: collections.Counter[str] = collections.Counter()
-    for path in journals:
-        with contextlib.suppress(OSError):
-            counts += exit_causes(path.read_text(errors="replace"))
-    return dict(counts)
-
-
-def timeline(tally: Tally, poller: StatePoller, duration_s: float) -> dict[str, Any]:
-    """Per second: requests by class, p99 of the OK ones; engine states; chaos events."""
-    # The flood and the last requests may end a little after the deadline.
-    end = max([duration_s, *(t for ts in tally.ended.values() for t in ts)])
-    return {
-        "bin_s": 1.0,
-        "duration_s": round(end, 3),
-        "counts": {c: per_bin(tally.ended[c], end) for c in CLASSES},
-        "p99_ms": p99_per_bin(tally.timeline, end),
-        "states": poller.samples(),
-        "markers": [
-            {"at_s": round(at, 1), "label": what.split(" (pid")[0]} for at, what in tally.events
-        ],
-    }
-
-
-def after_events(tally: Tally, window_s: float = 15.0) -> list[dict[str, Any]]:
-    """p50/p99 of ok latencies in the window after each chaos event, vs the whole run."""
-    out = []
-    for at, what in tally.events:
-        lat = [lat for t, lat in tally.timeline if at <= t < at + window_s]
-        out.append(
-            {
-                "event": what,
-                "at_s": round(at, 1),
-                "ok": len(lat),
-                "p50_s": round(percentile(lat, 0.5), 3),
-                "p99_s": round(percentile(lat, 0.99), 3),
-            }
-        )
-    return out
 
 
 def main() -> int:
