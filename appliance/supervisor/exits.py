@@ -11,6 +11,10 @@ phase it was in and whether the OOM killer's counters moved while it ran:
 - killed by a signal we did not send, "likely the kernel's OOM killer" when it is SIGKILL
   and the OOM kill counter of our cgroup (``memory.events``) or the kernel's
   (``/proc/vmstat``) went up since it started;
+- exited after a process of its tree died (vLLM says so: :func:`child_death`), "likely
+  killed by the kernel's OOM killer" when those counters went up: the OOM killer takes
+  the biggest process, which in vLLM is a worker or the EngineCore, not the API server;
+  the API server then shuts down and exits 0, which alone would read "exited by itself";
 - exited by itself, with its status.
 """
 
@@ -35,6 +39,12 @@ _LOAD = re.compile(
     r"EngineCore failed to start|Engine core initialization failed|"
     r"Engine failed to start"
 )
+# vLLM 0.32's words for a process of its tree that died under it: v1/executor/
+# multiproc_executor.py "Worker proc VllmWorker-0 died unexpectedly (exit code: -9)",
+# v1/engine/core_client.py "engine core exited unexpectedly", older "Engine core proc
+# EngineCore_0 died unexpectedly". The shutdown that follows prints far more than the
+# output tail keeps, so the relay remembers the first such line of a life.
+_CHILD_DIED = ("died unexpectedly", "exited unexpectedly")
 OomCounts = tuple[int | None, int | None]  # (our cgroup's oom_kill, the kernel's oom_kill)
 
 
@@ -44,9 +54,24 @@ class ExitCause:
     words: str  # for last_exit and the journal: "killed by signal SIGKILL, which ..."
 
 
-def classify(code: int, tail: Sequence[str], starting: bool, oom_moved: bool) -> ExitCause:
+def child_death(line: str) -> str | None:
+    """What vLLM said of a process of its tree that died (its message, without the log
+    prefix), if ``line`` says one did; else None. Cheap: read once per output line."""
+    if not any(words in line for words in _CHILD_DIED):
+        return None
+    return line.rsplit("] ", 1)[-1].strip()
+
+
+def classify(
+    code: int,
+    tail: Sequence[str],
+    starting: bool,
+    oom_moved: bool,
+    child_died: str | None = None,
+) -> ExitCause:
     """The cause of an exit the supervisor did not ask for (``code``: the API server's
-    return code, negative for a signal)."""
+    return code, negative for a signal; ``child_died``: :func:`child_death`'s words from
+    this life's output, if any)."""
     text = "\n".join(tail)
     if code < 0:
         name = _signal_name(-code)
@@ -58,10 +83,18 @@ def classify(code: int, tail: Sequence[str], starting: bool, oom_moved: bool) ->
         return ExitCause(
             RestartReason.SIGNAL, f"killed by {name}, which the supervisor did not send"
         )
+    died = f'exited with status {code} after a process of its tree died ("{child_died}")'
+    if child_died is not None and oom_moved:
+        return ExitCause(
+            RestartReason.OOM,
+            f"{died}, likely killed by the kernel's OOM killer (its OOM kill count rose)",
+        )
     if _BIND.search(text):
         return ExitCause(RestartReason.BIND_FAILED, f"failed to bind its address (status {code})")
     if starting and _LOAD.search(text):
         return ExitCause(RestartReason.LOAD_FAILED, f"failed to load the model (status {code})")
+    if child_died is not None:
+        return ExitCause(RestartReason.EXITED, died)
     return ExitCause(RestartReason.EXITED, f"exited by itself with status {code}")
 
 

@@ -63,6 +63,8 @@ class EngineProcess:
         self.api_key = ""  # this spawn's engine key (new at every spawn)
         self.output_tail: collections.deque[str] = collections.deque(maxlen=OUTPUT_TAIL_LINES)
         self._last_exit: str | None = None
+        # What vLLM said of a process of its tree that died, this life (exits.child_death)
+        self._child_died: str | None = None
         self._proc: asyncio.subprocess.Process | None = None
         self._relay: asyncio.Task[None] | None = None
         self._members: proctree.Members = {}  # its tree, last seen whole
@@ -112,6 +114,7 @@ class EngineProcess:
         self._oom_at_spawn = await asyncio.to_thread(exits.oom_counts)
         # Its exit is judged by its own output, not by what an earlier spawn said.
         self.output_tail.clear()
+        self._child_died = None
         argv = with_batched_tokens(spec.argv_with_key(self.api_key), batched_tokens)
         log.info(
             "%s: starting on %s, listening on %s: %s",
@@ -173,6 +176,9 @@ class EngineProcess:
                     return
                 line = raw.decode("utf-8", "replace").rstrip().replace(key, "***")
                 self.output_tail.append(line)
+                # This life's only: an orphan of the last one may still write here.
+                if self._child_died is None and key == self.api_key:
+                    self._child_died = exits.child_death(line)
                 out.write(prefix + line + "\n")
                 out.flush()
         finally:
@@ -201,7 +207,9 @@ class EngineProcess:
         returned as the restart reason."""
         code = self.returncode or 0
         moved = exits.oom_moved(self._oom_at_spawn, exits.oom_counts())
-        cause = exits.classify(code, self.output_tail, when == "while starting", moved)
+        cause = exits.classify(
+            code, self.output_tail, when == "while starting", moved, self._child_died
+        )
         self._last_exit = f"{cause.words} {when}; {self.exit_reason()}"
         how = f"signal {signal.Signals(-code).name}" if code < 0 else f"status {code}"
         tail = "\n    ".join(list(self.output_tail)[-10:])

@@ -31,6 +31,8 @@ a JSON object, loopback only, no auth; ``GET /fake/stats`` for counters):
     fail_requests           inference routes answer 500
     crash                   exit at once (true: code 1, or an int code), child left
     reset_stats             zero the counters
+    allocate_mib            allocate and keep N MiB, every page written (the soak's OOM
+                            fault: the kernel's OOM killer must find it under a limit)
     json_spaces             write stream events as json.dumps does by default ("a": 1),
                             as other OpenAI-compatible servers do, not vLLM's compact JSON
     break_before_usage      a stream's connection drops after its last token, before the
@@ -88,6 +90,7 @@ CONTROL_KEYS = {
     "fail_requests",
     "crash",
     "reset_stats",
+    "allocate_mib",
 }
 LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
 STREAM_FAULTS = ("json_spaces", "break_before_usage")  # control-only switches, off at start
@@ -430,6 +433,7 @@ class FakeEngine:
         self.slots = asyncio.Semaphore(max(1, args.max_num_seqs))
         self.faults = dict.fromkeys(STREAM_FAULTS, False)
         self.misframing = Misframing()
+        self.ballast: list[bytes] = []  # allocate_mib's memory, kept
         self.gpu_work = GpuWork.start(args.gpu_share)
         self.sleep_mode = SleepMode(self, args.wake_delay_s)  # VLLM_SERVER_DEV_MODE=1 only
         self.reset_stats()
@@ -761,6 +765,8 @@ class FakeEngine:
         self.faults.update({k: bool(body[k]) for k in STREAM_FAULTS if k in body})
         if body.get("reset_stats"):
             self.reset_stats()
+        if "allocate_mib" in body:  # written, not just reserved: pages the kernel charges
+            self.ballast.append(b"\x01" * (int(body["allocate_mib"]) << 20))
         if "hang" in body:
             self.hang = bool(body["hang"])
             if self.hang:
