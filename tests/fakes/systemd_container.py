@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.fakes.appliance_proc import write_config
-from tests.fakes.engine_proc import FAKE_ENGINE_PATH
+from tests.fakes.engine_proc import FAKE_ENGINE_PATH, FAKE_ENGINE_SIBLINGS
 
 RUN_BASE = Path("/run/llm-appliance-systemd-test")
 # Disk-backed folders bound into a container (``disk_dirs``), one subfolder per run:
@@ -743,8 +743,10 @@ def install_appliance(box: SystemdContainer) -> InstalledAppliance:
     for name in ("pyproject.toml", "README.md"):
         if (REPO / name).exists():
             shutil.copy2(REPO / name, src / name)
-    shutil.copy2(FAKE_ENGINE_PATH, box.path(FAKE_ENGINE))
-    box.path(FAKE_ENGINE).chmod(0o644)
+    for path in (FAKE_ENGINE_PATH, *FAKE_ENGINE_SIBLINGS):
+        target = box.path(FAKE_ENGINE).with_name(Path(path).name)
+        shutil.copy2(path, target)
+        target.chmod(0o644)
     r = box.run([SYSTEM_PYTHON, "-c", "import ensurepip, venv"])
     if r.returncode != 0:
         raise Unavailable(f"{SYSTEM_PYTHON} cannot make a venv (python3-venv?): {r.stderr}")

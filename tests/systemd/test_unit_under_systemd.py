@@ -145,7 +145,10 @@ def test_start_returns_only_after_ready(fake_appliance: InstalledAppliance) -> N
     rc, took, readyz = start_and_probe(app, timeout=90)
 
     assert rc == 0, app.box.journal("-u", UNIT_NAME, "-n", "60")
-    assert readyz == 200, f"/readyz answered {readyz} right after `systemctl start` returned"
+    assert readyz == 200, (
+        f"/readyz answered {readyz} right after `systemctl start` returned:\n"
+        + app.box.journal("-u", UNIT_NAME, "-n", "60")
+    )
     assert took >= STARTUP_DELAY_S, f"start returned after {took:.2f} s, before engines loaded"
     state = app.state()
     assert (state["ActiveState"], state["SubState"]) == ("active", "running"), state
@@ -388,7 +391,10 @@ def test_real_vllm_engine_under_the_unit(installed_appliance: InstalledAppliance
     try:
         rc, took, readyz = start_and_probe(app, timeout=280)
         assert rc == 0, app.box.journal("-u", UNIT_NAME, "-n", "80", "-o", "cat")
-        assert readyz == 200, f"/readyz answered {readyz} right after `systemctl start` returned"
+        assert readyz == 200, (
+            f"/readyz answered {readyz} right after `systemctl start` returned:\n"
+            + app.box.journal("-u", UNIT_NAME, "-n", "60")
+        )
         state = app.state()
         assert (state["ActiveState"], state["SubState"]) == ("active", "running"), state
         assert state["StatusText"].startswith("1/1 engines ready"), state
