@@ -15,7 +15,9 @@ import base64
 import contextlib
 import itertools
 import json
+import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -150,7 +152,10 @@ async def _devtools_port(profile: Path, proc: subprocess.Popen[bytes]) -> int:
 @contextlib.asynccontextmanager
 async def open_page(chromium: str) -> AsyncIterator[Page]:
     """Chromium, headless, with one tab open on about:blank; gone afterwards."""
-    with tempfile.TemporaryDirectory(prefix="cdp-") as tmp:
+    # Chromium's helpers (crashpad, utilities) can still write into the profile for a
+    # moment after the browser exits: its whole group is ended, and a file they leave
+    # behind does not fail the test.
+    with tempfile.TemporaryDirectory(prefix="cdp-", ignore_cleanup_errors=True) as tmp:
         profile = Path(tmp)
         argv = [
             chromium,
@@ -170,7 +175,9 @@ async def open_page(chromium: str) -> AsyncIterator[Page]:
             "about:blank",
         ]
         # Popen returns at once (the wait for its port is awaited below).
-        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # noqa: ASYNC220
+        proc = subprocess.Popen(  # noqa: ASYNC220
+            argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        )
         try:
             port = await _devtools_port(profile, proc)
             async with aiohttp.ClientSession() as http:
@@ -185,9 +192,15 @@ async def open_page(chromium: str) -> AsyncIterator[Page]:
                 finally:
                     await page.close()
         finally:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            _end_group(proc)
+
+
+def _end_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM to the browser's whole process group, SIGKILL after 10 s, reaped."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(10)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
