@@ -32,7 +32,16 @@ from typing import Any
 import aiohttp
 
 from appliance import paths
-from bench._common import Daemon, Result, header, module_argv, request, wait_for_quiet
+from bench._common import (
+    STREAM_ENDS,
+    Daemon,
+    Result,
+    header,
+    module_argv,
+    request,
+    route_stream,
+    wait_for_quiet,
+)
 from bench.direct_vs_gateway import Measure, Samples, alternate, compare
 from tests.fakes.appliance_proc import real_engine_config, run_appliance
 
@@ -58,7 +67,16 @@ def real_daemon() -> Iterator[Daemon]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def body(tokens: int, n: int) -> bytes:
+def body(tokens: int, n: int, route: str = "completions") -> bytes:
+    if route != "completions":
+        # Distinct prompts (no prefix-cache hit favours a path); ignore_eos where the
+        # route's request takes it (vLLM's chat does; Responses and Messages do not).
+        prompt = f"{secrets.token_hex(4)} Write a story about a lighthouse keeper."
+        raw = json.loads(route_stream(route, tokens, prompt)[1])
+        raw["model"] = MODEL
+        if route == "chat":
+            raw["ignore_eos"] = True
+        return json.dumps(raw).encode()
     return json.dumps(
         {
             "model": MODEL,
@@ -72,8 +90,11 @@ def body(tokens: int, n: int) -> bytes:
 
 
 async def run(args: argparse.Namespace, d: Daemon) -> Samples:
+    path, _ = route_stream(args.route, 0)
+    end = STREAM_ENDS[args.route]
+
     async def send(s: aiohttp.ClientSession, base: str, key: str, w: int) -> Result:
-        return await request(s, base, key, body(args.tokens, w), True)
+        return await request(s, base, key, body(args.tokens, w, args.route), True, -1, path, end)
 
     return await alternate(d, 0, args.levels, args.rounds, args.round_s, send, "streams")
 
@@ -92,7 +113,8 @@ def report(args: argparse.Namespace, quiet: Any, samples: Samples) -> str:
     out.append(
         f"- load: 1 real vLLM engine (SmolLM2-135M, --enforce-eager, all cores, on a Unix "
         f"socket), "
-        f"{args.tokens}-token streams with ignore_eos on /v1/completions; closed loop; "
+        f"{args.tokens}-token streams on {route_stream(args.route, 0)[0]} (ignore_eos on "
+        f"completions and chat); closed loop; "
         f"{args.rounds} rounds × {args.round_s:g} s per path per concurrency, "
         f"direct/gateway alternating\n"
     )
@@ -108,6 +130,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="rounds per path per concurrency")
     ap.add_argument("--round-s", type=float, default=10.0, help="seconds per round")
     ap.add_argument("--tokens", type=int, default=64, help="tokens per stream")
+    ap.add_argument(
+        "--route", default="completions", choices=sorted(STREAM_ENDS), help="which route's streams"
+    )
     ap.add_argument("--no-wait", action="store_true", help="do not wait for a quiet machine")
     ap.add_argument("--json", default="", help="also write the figures to this file")
     args = ap.parse_args()
