@@ -147,7 +147,8 @@ class UpstreamConnection(asyncio.Protocol):
         self._head = self._loop.create_future()
         if self._closed or self.transport.is_closing():  # no answer would ever come
             self._fail(UpstreamError("the engine closed the connection"))
-        self.transport.write(request)
+        else:
+            self.transport.write(request)
         return self._head
 
     def abort(self, reason: str) -> None:
