@@ -7,7 +7,8 @@ root (:mod:`appliance.serve`) hands each its half of the other::
             ──calls──► EngineCommands  (restart / drain / resume / check_listener
                                         → CommandResult)
             ──calls──► ModelDoor       (models on demand: use / load / unload a model,
-                                        each model's state)
+                                        each model's state; LoRA adapters: which
+                                        there are, add / remove one)
                          ▲ implemented by the supervisor
     supervisor ─calls─► GatewayLink    (work in flight, KV breaker, throttle, shutdown)
                          ▲ implemented by the gateway
@@ -200,6 +201,30 @@ class ModelResult:
     message: str = ""
 
 
+@dataclass(frozen=True, slots=True)
+class AdapterStatus:
+    """One LoRA adapter served as a model name of its own (issue 23)."""
+
+    name: str  # what clients send as "model"
+    model: str  # its base model's (canonical) name: whose engines serve it
+    path: str  # its folder (shown to admins only)
+    source: str  # "config" (the model's adapters) | "admin" (added at run time, kept)
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterResult:
+    """The answer to an admin's add or remove of an adapter: ``status`` is the HTTP
+    status the handler answers with (200 done; 4xx refused, ``code`` saying why)."""
+
+    status: int
+    message: str = ""
+    code: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status < 300
+
+
 @runtime_checkable
 class ModelDoor(Protocol):
     """Models on demand, as the gateway asks for them (implemented by the supervisor)."""
@@ -213,6 +238,14 @@ class ModelDoor(Protocol):
     def models(self) -> tuple[ModelStatus, ...]: ...
     async def load_model(self, name: str) -> ModelResult: ...
     async def unload_model(self, name: str) -> ModelResult: ...
+
+    def adapter_names(self) -> Mapping[str, str]:
+        """Every adapter's name -> its base model's name (per request: no copy made)."""
+        ...
+
+    def adapters(self) -> tuple[AdapterStatus, ...]: ...
+    async def add_adapter(self, model: str, name: str, path: str) -> AdapterResult: ...
+    async def remove_adapter(self, model: str, name: str) -> AdapterResult: ...
 
 
 class NoModels:
@@ -229,6 +262,18 @@ class NoModels:
 
     async def unload_model(self, name: str) -> ModelResult:
         return ModelResult(False, "loaded", "models on demand are not available here")
+
+    def adapter_names(self) -> Mapping[str, str]:
+        return {}
+
+    def adapters(self) -> tuple[AdapterStatus, ...]:
+        return ()
+
+    async def add_adapter(self, model: str, name: str, path: str) -> AdapterResult:
+        return AdapterResult(409, "adapters are not available here", "adapters_unavailable")
+
+    async def remove_adapter(self, model: str, name: str) -> AdapterResult:
+        return AdapterResult(409, "adapters are not available here", "adapters_unavailable")
 
 
 class Appliance(ApplianceView, EngineCommands, Protocol):

@@ -118,6 +118,7 @@ class EngineSpec:
     gpus: tuple[int, ...] = ()  # all its CUDA indices (tensor parallel: several)
     task: str = "generate"  # "generate" | "embed"
     on_demand: bool = False  # its model loads on demand: planned, spawned when loaded
+    lora_rank: int = 0  # its --max-lora-rank (0: LoRA off): what adapters it can take
 
     @property
     def name(self) -> str:

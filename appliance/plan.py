@@ -19,6 +19,7 @@ from pathlib import Path
 
 from appliance import paths
 from appliance.config import MAX_GPUS, Config, EngineConfig, ServedModel, on_demand
+from appliance.config.lora import with_lora
 from appliance.endpoint import EngineAddress, socket_path
 from appliance.engine import (
     CpuDtype,
@@ -181,13 +182,14 @@ def plan_engines(
     socket_dir: Path | None = None,
     cpu_flags: Collection[str] | None = None,
     preload: Sequence[str] | None = None,
+    kept: Mapping[str, Sequence[int]] | None = None,
 ) -> EnginePlan:
     """The engines to run, model by model; ``socket_dir`` holds their sockets with
     engine.listen = unix. Engine ids run 0.. across all models in config order.
 
     ``cpu_flags`` (None: this machine's, :func:`read_cpu_flags`) pick a CPU engine's
-    dtype; ``preload`` (None: what :func:`cpu_preload_libs` finds) goes in its LD_PRELOAD.
-    """
+    dtype; ``preload`` (None: what :func:`cpu_preload_libs` finds) goes in its LD_PRELOAD;
+    ``kept``: per model, the ranks of adapters the admin added (LoRA flags, lora.py)."""
     device = _device(config, gpu_count)
     if problems := on_demand.sleep_on_cpu(config.served, device):
         raise ConfigError(problems, config.source)
@@ -196,7 +198,8 @@ def plan_engines(
     model_paths = _model_paths(config, home)
     flags, cpu_dtype, libs = _cpu_choices(config, device, python, cpu_flags, preload)
     boot_id = secrets.token_hex(4)
-    ctx = _Shared(config, home, python, base_env, socket_dir, boot_id, device, flags, libs)
+    shared = (config, home, python, base_env, socket_dir, boot_id, device, flags, libs)
+    ctx = _Shared(*shared, kept or {})
     specs = [
         _spec(ctx, i, m, gpus, model_paths[m.name], binds[i], core_sets[i])
         for i, (m, gpus) in enumerate(groups)
@@ -227,8 +230,7 @@ def _cpu_choices(
     flags = read_cpu_flags() if cpu_flags is None else cpu_flags
     cpu_dtype = choose_cpu_dtype(flags, e.extra_args)
     libs = tuple(cpu_preload_libs(python) if preload is None else preload)
-    if "LD_PRELOAD" in e.env:
-        libs = ()  # engine.env's LD_PRELOAD replaces ours (build_env): nothing of ours
+    libs = () if "LD_PRELOAD" in e.env else libs  # engine.env's replaces ours (build_env)
     return flags, cpu_dtype, libs
 
 
@@ -287,6 +289,7 @@ class _Shared:
     device: str
     cpu_flags: Collection[str]
     preload: tuple[str, ...]
+    kept: Mapping[str, Sequence[int]]  # per model: its kept adapters' ranks (adapters.py)
 
 
 def _spec(
@@ -313,17 +316,15 @@ def _spec(
     env = build_env(
         m.engine, ctx.base_env, gpus=gpus, cpu_bind=bind, engine_tag=tag, preload=ctx.preload
     )
+    argv, lora_rank = with_lora(m, argv, env, ctx.kept.get(m.name, ()))
     if m.on_demand and m.swap == "sleep":
-        # vLLM serves /sleep, /wake_up and /is_sleeping only in its development mode; they
-        # stay on the engine's private socket (the gateway never relays them).
+        # vLLM serves /sleep, /wake_up, /is_sleeping in dev mode only (never relayed).
         env.setdefault("VLLM_SERVER_DEV_MODE", "1")
         if not m.engine.command:
             argv = (*argv, "--enable-sleep-mode")
-    # Pin a CPU engine's whole tree to its own cores, unless engine.env overrides the
-    # OMP binding (then the admin has their own layout). Unpinned, a starting engine is
-    # stuck behind its neighbour: at import, MKL hops onto every allowed core in turn
-    # to count them, and on a core where the other engine's OpenMP threads spin it can
-    # wait minutes to run (seen here: a restart never became READY).
+    # Pin a CPU engine's tree to its own cores unless engine.env sets the OMP binding (the
+    # admin's layout then). Unpinned, a starting engine waits behind its neighbour: MKL
+    # hops onto every core at import, minutes where OpenMP threads spin (a restart hung).
     pinned = bind is not None and env.get("VLLM_CPU_OMP_THREADS_BIND") == bind
     return EngineSpec(
         id=i,
@@ -338,6 +339,7 @@ def _spec(
         gpus=gpus,
         task=m.task,
         on_demand=m.on_demand,
+        lora_rank=lora_rank,
     )
 
 

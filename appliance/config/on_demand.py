@@ -14,10 +14,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from appliance.config.fields import _show
+from appliance.config.lora import ADAPTER_CONFIG as ADAPTER_CONFIG  # tests, ansible
+from appliance.config.lora import MAX_LORA_RANKS, AdapterError, adapter_rank
 
 if TYPE_CHECKING:
     from appliance.config.document import Config
@@ -42,7 +43,6 @@ BOUNDS: Mapping[str, tuple[float, float]] = {
     "load_timeout_s": LOAD_TIMEOUT_BOUNDS,
     "min_residency_s": (0.0, 3600.0),
 }
-ADAPTER_CONFIG = "adapter_config.json"  # what makes a folder a PEFT (LoRA) adapter
 
 # (default, type, what it does): docs/configuration.md's [[models]] rows.
 KEY_DOCS: Mapping[str, tuple[str, str, str]] = {
@@ -78,7 +78,8 @@ KEY_DOCS: Mapping[str, tuple[str, str, str]] = {
         "[]",
         "a list of tables",
         '[{ name = "sql", path = "/srv/lora/sql" }]: LoRA adapters, each a folder with '
-        "adapter_config.json, served as a model name of its own (checked; served later).",
+        "adapter_config.json (its rank read from it), served as a model name of its own "
+        "on the model's engines (vLLM --enable-lora); the admin adds more at run time.",
     ),
 }
 
@@ -164,12 +165,15 @@ def _check_adapters(cfg: Config, i: int, m: ModelConfig, problems: list[str]) ->
                 "names are model names and must be unique"
             )
         taken[a.name] = where
-        folder = Path(a.path)
-        if not folder.is_dir():
-            problems.append(f'{where}.path = "{a.path}": no such folder')
-        elif not (folder / ADAPTER_CONFIG).is_file():
+        try:
+            rank = adapter_rank(a.path)
+        except AdapterError as exc:
+            problems.append(f'{where}.path = "{a.path}": {exc}')
+            continue
+        if rank > MAX_LORA_RANKS[-1]:
             problems.append(
-                f'{where}.path = "{a.path}": not a LoRA adapter (no {ADAPTER_CONFIG} in it)'
+                f'{where}.path = "{a.path}": LoRA rank {rank} is above the largest vLLM '
+                f"serves ({MAX_LORA_RANKS[-1]})"
             )
 
 

@@ -27,6 +27,7 @@ from appliance import __version__
 from appliance.audit import Outcome
 from appliance.control import CommandResult, EngineStatus, GpuStatus, ModelResult, ModelStatus
 from appliance.fsutil import NO_SPACE
+from appliance.gateway.admin_adapters import adapter_body, adapter_json, refuse_unless, shown
 from appliance.gateway.errors import GatewayError
 from appliance.gateway.keys import KeyRecord, KeysFileError, KeySpecError, validate_key_id
 
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
     from appliance.gateway.app import Gateway
 
 COMMAND_WAIT_S = 10.0  # longest an admin request waits for an engine's runner to answer
+ADAPTER_WAIT_S = 150.0  # an adapter's add waits for every engine's load (adapters.py: 120 s)
 _ENGINE_ID_RE = re.compile(r"[0-9]+")  # ASCII only: str.isdigit() takes "²" and "١"
 KEY_FIELDS = frozenset({"name", "scopes", "rpm", "tpm", "priority", "expires_days", "fallback"})
 
@@ -108,6 +110,8 @@ def status_document(gw: Gateway) -> dict[str, Any]:
         # Every configured model and its load state (models on demand): loaded, loading,
         # sleeping or unloaded, and its last request (unix time; null: none yet).
         "models": [_model_json(m) for m in status.models],
+        # LoRA adapters served as models: the config's and the admin's (kept).
+        "adapters": [adapter_json(a) for a in gw.model_door.adapters()],
         # State files (usage.json, audit.log, keys.json) failing to be written now: which,
         # why, since when (empty while all are written fine). Serving goes on meanwhile.
         "state_write_failures": [
@@ -168,6 +172,8 @@ class Admin:
         r.add_post("/admin/engines/{id}/resume", self.resume)
         r.add_post("/admin/models/{name}/load", self.model_load)
         r.add_post("/admin/models/{name}/unload", self.model_unload)
+        r.add_post("/admin/models/{name}/adapters", self.adapter_add)
+        r.add_delete("/admin/models/{name}/adapters/{adapter}", self.adapter_remove)
         r.add_get("/admin/keys", self.keys_list)
         r.add_post("/admin/keys", self.keys_create)
         r.add_delete("/admin/keys/{id}", self.keys_delete)
@@ -273,6 +279,32 @@ class Admin:
             self.gw.admission.kick()
         body = {"model": name, "action": action, "accepted": True, "state": result.state}
         return web.json_response(body, status=202)
+
+    async def adapter_add(self, request: web.Request) -> web.Response:
+        """Add a LoRA adapter to a model at run time: loaded on each of its running
+        engines, kept across restarts. 200 once every engine serves it; 4xx naming why
+        not (a bad folder, a name taken, a rank the engines cannot take)."""
+        model = request.match_info["name"]
+        with self._audited(request, "model.adapter.add", f"model:{shown(model)}") as entry:
+            name, path = await adapter_body(request)
+            entry.detail |= {"adapter": name, "path": path}
+            result = await asyncio.wait_for(
+                self.gw.model_door.add_adapter(model, name, path), ADAPTER_WAIT_S
+            )
+            refuse_unless(result, entry.detail)
+        self.gw.admission.kick()
+        return web.json_response({"model": model, "adapter": name, "added": True})
+
+    async def adapter_remove(self, request: web.Request) -> web.Response:
+        """Unload an adapter the admin added from every engine of its model, and forget it."""
+        model, name = request.match_info["name"], request.match_info["adapter"]
+        with self._audited(request, "model.adapter.remove", f"model:{shown(model)}") as entry:
+            entry.detail["adapter"] = shown(name)
+            result = await asyncio.wait_for(
+                self.gw.model_door.remove_adapter(model, name), ADAPTER_WAIT_S
+            )
+            refuse_unless(result, entry.detail)
+        return web.json_response({"model": model, "adapter": name, "removed": True})
 
     async def keys_list(self, request: web.Request) -> web.Response:
         return web.json_response({"keys": [r.public_dict() for r in self.gw.keys.records]})

@@ -6,6 +6,10 @@ model by an alias, so the gateway resolves the name once, refuses what no model 
 (404) or what the model does not do on this route (400), and from then on works with the
 canonical name: admission, routing and failover stay within that model's engines.
 
+A LoRA adapter (issue 23) is a model name of its own whose requests go to its base
+model's engines: :func:`resolve_named` says which model serves a name and what the
+engine is sent as ``model`` (the adapter's name: vLLM serves it under that name).
+
 :func:`candidates` is the one place that says which engines may take a model's request,
 so the fallback (issue 13: another model takes what its own engines cannot) has a single
 seam to widen.
@@ -13,8 +17,8 @@ seam to widen.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from typing import Protocol, TypeVar
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Protocol, TypeVar
 
 from appliance.config import Config, ServedModel
 from appliance.gateway.errors import GatewayError
@@ -47,22 +51,53 @@ def candidates(model: str | None, engines: Iterable[E]) -> list[E]:
     return [e for e in engines if e.model == model]
 
 
-def model_list(served: Sequence[ServedModel]) -> list[str]:
-    """Every name clients may send: each model's name, then its aliases, in config order."""
-    return [name for m in served for name in m.names]
+def model_list(
+    served: Sequence[ServedModel], adapters: Mapping[str, str] | None = None
+) -> list[str]:
+    """Every name clients may send: each model's name, then its aliases, in config order;
+    then the adapters (name -> base model)."""
+    return [name for m in served for name in m.names] + list(adapters or ())
 
 
-def resolve(config: Config, name: str, route: str) -> ServedModel:
-    """The served model a request's ``model`` names (by name or alias) and may take on
-    ``route``; 404 ``model_not_found`` naming what exists, or 400 ``model_wrong_route``
-    naming the routes the model serves."""
+def model_cards(
+    served: Sequence[ServedModel], adapters: Mapping[str, str], created: int
+) -> list[dict[str, Any]]:
+    """``GET /v1/models``' list: every name and alias, then every adapter as vLLM lists
+    one, its base model as ``parent`` (``root``: its name; vLLM's is the adapter's
+    folder, which a user's key is not shown)."""
+
+    def card(name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": created, "owned_by": "llm-appliance"}
+
+    cards = [card(n) for n in model_list(served)]  # aliases as entries of their own
+    return cards + [{**card(n), "root": n, "parent": m} for n, m in adapters.items()]
+
+
+def resolve(
+    config: Config, name: str, route: str, adapters: Mapping[str, str] | None = None
+) -> ServedModel:
+    """The served model a request's ``model`` names (by name, alias or adapter) and may
+    take on ``route``; 404 ``model_not_found`` naming what exists, or 400
+    ``model_wrong_route`` naming the routes the model serves."""
+    return resolve_named(config, name, route, adapters)[0]
+
+
+def resolve_named(
+    config: Config, name: str, route: str, adapters: Mapping[str, str] | None = None
+) -> tuple[ServedModel, str]:
+    """:func:`resolve`, and the name its engines are sent: the adapter's when ``name`` is
+    one (``adapters``: adapter name -> base model), else the model's canonical name."""
     found = config.model(name)
+    sent = found.name if found is not None else name
+    base = adapters.get(name) if adapters and found is None else None
+    if base is not None:
+        found = config.model(base)
     if found is None:
         shown = name if len(name) <= 64 else name[:61] + "..."
         raise GatewayError(
             404,
             f"The model '{shown}' does not exist; this server serves "
-            f"{', '.join(model_list(config.served))} (GET /v1/models lists them)",
+            f"{', '.join(model_list(config.served, adapters))} (GET /v1/models lists them)",
             param="model",
             code="model_not_found",
             reason="model_not_found",
@@ -79,4 +114,4 @@ def resolve(config: Config, name: str, route: str) -> ServedModel:
             code="model_wrong_route",
             reason="model_wrong_route",
         )
-    return found
+    return found, sent

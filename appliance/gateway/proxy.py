@@ -51,7 +51,7 @@ from appliance.gateway.answers import EngineCall
 from appliance.gateway.errors import GatewayError
 from appliance.gateway.failures import Attempt, EngineFailure, engine_error
 from appliance.gateway.fallback import REFUSE_HEADER, SERVED_BY, fallback_allowed
-from appliance.gateway.models import candidates, model_list, resolve
+from appliance.gateway.models import candidates, model_cards, resolve_named
 from appliance.gateway.protocols import ROUTES, Route
 from appliance.gateway.protocols.tools import tools_refusal
 from appliance.gateway.request_body import ParsedRequest, finish_body, open_body, read_body
@@ -97,16 +97,8 @@ class Relay:
 
     async def models(self, request: web.Request) -> web.Response:
         created = int(self.gw.appliance.started_at)
-        names = model_list(self.gw.appliance.config.served)  # aliases as entries of their own
-        return web.json_response(
-            {
-                "object": "list",
-                "data": [
-                    {"id": n, "object": "model", "created": created, "owned_by": "llm-appliance"}
-                    for n in names
-                ],
-            }
-        )
+        served, adapters = self.gw.appliance.config.served, self.gw.model_door.adapter_names()
+        return web.json_response({"object": "list", "data": model_cards(served, adapters, created)})
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         return await self._handle(request, "chat", "/v1/chat/completions")
@@ -228,17 +220,23 @@ class Relay:
         raw = await read_body(request)
         opened = open_body(route, raw)
         config = self.gw.appliance.config
-        served = resolve(config, opened.model, route)
-        name = served.name
-        request["model"] = name  # the metrics' label: a configured name, never the client's
+        served, sent = resolve_named(
+            config, opened.model, route, self.gw.model_door.adapter_names()
+        )
+        name = served.name  # whose engines serve it (an adapter's: its base model's)
+        # The metrics' label: a configured name (an adapter's own), never the client's.
+        request["model"] = sent
         refused = tools_refusal(
             ROUTES[route].calls_tools, opened.fields, served, bool(config.models)
         )
         if refused is not None:
             raise refused
         max_model_len = config.engine_of(name).max_model_len
-        parsed = finish_body(route, opened, request.headers, config.gateway, max_model_len, name)
-        return parsed, served.fallback
+        parsed = finish_body(
+            route, opened, request.headers, config.gateway, max_model_len, name, sent
+        )
+        # An adapter has no fallback: another model's engines do not serve it.
+        return parsed, served.fallback if sent == name else ""
 
     async def _parse_for(
         self, request: web.Request, route: str, model: str

@@ -125,13 +125,16 @@ def finish_body(
     limits: GatewayConfig,
     max_model_len: int,
     model: str | None = None,
+    sent: str | None = None,
 ) -> ParsedRequest:
     """What the request costs on ``model``'s engines (whose context is ``max_model_len``)
     and what they are sent. The engine knows its model by its canonical name only, so a
-    body naming an alias is rewritten to ``model``; the client's bytes go on untouched
-    (no re-serialisation) unless a field must be set."""
+    body naming an alias is rewritten to ``model`` (or to ``sent``: a LoRA adapter's name,
+    which the engine serves too); the client's bytes go on untouched (no
+    re-serialisation) unless a field must be set."""
     body = opened.fields
     canonical = model or opened.model
+    wire = sent or canonical
     spec = ROUTES[route]
     cost = spec.cost(body, limits, max_model_len)
     raw = opened.raw
@@ -148,11 +151,11 @@ def finish_body(
         reader=spec.event_usage,
         answer=spec.answer_usage,
     )
-    rewrite = canonical != opened.model or plan.rewrite
+    rewrite = wire != opened.model or plan.rewrite
     if spec.prepare is not None and spec.prepare(body):
         rewrite = True
     if rewrite:
-        body["model"] = canonical
+        body["model"] = wire
     if cost.write is not None:
         name, value = cost.write
         body[name] = value

@@ -107,8 +107,14 @@ def gpu_count(config: Config) -> int:
 
 
 def make_plan(
-    config: Config, gpus: int, env: Mapping[str, str], home: Path, sockets: SocketDir
+    config: Config,
+    gpus: int,
+    env: Mapping[str, str],
+    home: Path,
+    sockets: SocketDir,
+    kept: Mapping[str, Sequence[int]] | None = None,
 ) -> EnginePlan:
+    """``kept``: per model, the ranks of the LoRA adapters the admin added (adapters.py)."""
     return plan_engines(
         config,
         gpu_count=gpus,
@@ -116,4 +122,5 @@ def make_plan(
         home=home,
         base_env=child_environment(env),
         socket_dir=sockets.path,
+        kept=kept,
     )

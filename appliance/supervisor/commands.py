@@ -79,7 +79,17 @@ class Unpark:
     """Its on-demand model is wanted: start the engine, or wake it."""
 
 
-Command = Drain | Resume | Restart | HeatRestart | Nudge | CheckNow | Park | Unpark
+@dataclass(frozen=True, slots=True)
+class SyncAdapters:
+    """Its model's LoRA adapters changed (an admin's add or remove, adapters.py): make the
+    engine serve exactly those wanted now. ``done`` gets, once the engine is synced (or at
+    once when it is not running: it is synced before it is next READY), the adapters it
+    could not load or unload and why."""
+
+    done: asyncio.Future[dict[str, str]] | None = field(default=None, compare=False)
+
+
+Command = Drain | Resume | Restart | HeatRestart | Nudge | CheckNow | Park | Unpark | SyncAdapters
 
 
 WATCHED = frozenset({EngineState.READY, EngineState.SUSPECT, EngineState.DRAINING})
@@ -168,6 +178,18 @@ class Sleeper(Protocol):
 
     async def sleep(self, api_key: str, timeout_s: float) -> str | None: ...
     async def wake_up(self, api_key: str, timeout_s: float) -> str | None: ...
+
+
+class AdapterClient(Protocol):
+    """vLLM's LoRA routes on the engine's own socket (VLLM_ALLOW_RUNTIME_LORA_UPDATING):
+    what it serves (name -> folder, or why it could not be read), load, unload (None:
+    done, else why not, in the engine's words)."""
+
+    async def served_adapters(self, api_key: str, timeout_s: float) -> dict[str, str] | str: ...
+    async def load_adapter(
+        self, api_key: str, name: str, path: str, timeout_s: float
+    ) -> str | None: ...
+    async def unload_adapter(self, api_key: str, name: str, timeout_s: float) -> str | None: ...
 
 
 class Probe(Protocol):

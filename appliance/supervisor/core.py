@@ -36,6 +36,8 @@ from appliance import paths, proctree
 from appliance.audit import AuditLog
 from appliance.config import Config
 from appliance.control import (
+    AdapterResult,
+    AdapterStatus,
     ApplianceStatus,
     CommandResult,
     EngineStatus,
@@ -50,9 +52,11 @@ from appliance.engine import EngineSpec, EngineState, instance_id, lineage_env
 from appliance.errors import EXIT_NO_ENGINE, EXIT_OK
 from appliance.plan import EnginePlan
 from appliance.supervisor import leftovers, stopping
+from appliance.supervisor.adapters import AdapterBook, adapters_path
 from appliance.supervisor.boot import SocketDir, gpu_count, make_plan, open_telemetry
 from appliance.supervisor.commands import CheckNow, Drain, Nudge, Restart, Resume
 from appliance.supervisor.coordination import RestartCoordinator
+from appliance.supervisor.engine_adapters import EngineAdapters
 from appliance.supervisor.heat import HeatWatch
 from appliance.supervisor.models_on_demand import ModelsOnDemand
 from appliance.supervisor.notify import SystemdReporter, status_line
@@ -105,6 +109,8 @@ class Supervisor:
         self._instance = instance_id(config.gateway.keys_file)
         self._heat: HeatWatch | None = None
         self._models: ModelsOnDemand | None = None  # each model's load state
+        # LoRA adapters: the config's and the admin's (kept beside the keys file).
+        self._adapters = AdapterBook(lambda: self.config, adapters_path(config.gateway.keys_file))
         self._sockets = SocketDir()
         self.coordinator = RestartCoordinator(lambda: ((r.id, r.state) for r in self._runners))
         self._tasks = SupervisorTasks()
@@ -170,6 +176,18 @@ class Supervisor:
         assert self._models is not None
         return await self._models.unload_model(name)
 
+    def adapter_names(self) -> Mapping[str, str]:
+        return self._adapters.names()
+
+    def adapters(self) -> tuple[AdapterStatus, ...]:
+        return self._adapters.adapters()
+
+    async def add_adapter(self, model: str, name: str, path: str) -> AdapterResult:
+        return await self._adapters.add(model, name, path)
+
+    async def remove_adapter(self, model: str, name: str) -> AdapterResult:
+        return await self._adapters.remove(model, name)
+
     # ---- the runners' host (commands.RunnerHost) --------------------------------------
     @property
     def link(self) -> GatewayLink:
@@ -231,7 +249,8 @@ class Supervisor:
         self._heat = HeatWatch(open_telemetry(self.config), lambda: self.config)
         gpus = gpu_count(self.config)
         self._sockets = SocketDir.make(self.config, self._env)
-        self.plan = plan = make_plan(self.config, gpus, self._env, self._home, self._sockets)
+        kept = self._adapters.kept_ranks()
+        self.plan = plan = make_plan(self.config, gpus, self._env, self._home, self._sockets, kept)
         me = psutil.Process()
         lineage = lineage_env(self._instance, me.pid, me.create_time())
         self._processes = [EngineProcess(spec, lineage) for spec in plan.specs]
@@ -239,6 +258,7 @@ class Supervisor:
             self._runner(spec, process)
             for spec, process in zip(plan.specs, self._processes, strict=True)
         ]
+        self._adapters.attach(self._runners)
         self._models = ModelsOnDemand(
             lambda: self.config, self._runners, lambda: self._link, plan.device
         )
@@ -253,7 +273,8 @@ class Supervisor:
     def _runner(self, spec: EngineSpec, process: EngineProcess) -> EngineRunner:
         # The probe reaches a TCP engine only on connections checked to be its tree's.
         probe = HttpProbe(spec, lambda: process.pid)
-        return EngineRunner(spec, self, process, probe, sleeper=probe)
+        lora = EngineAdapters(spec, lambda: self._adapters.wanted(spec.model), probe)
+        return EngineRunner(spec, self, process, probe, sleeper=probe, lora=lora)
 
     async def _main_loop(self) -> None:
         tick_s = self._reporter.tick_interval(TICK_S)

@@ -12,8 +12,8 @@ ask through its inbox (:mod:`commands <appliance.supervisor.commands>`), answere
 every await, so an asker waits for a decision, never for a slow engine. Its parts:
 processes (:class:`ProcessHandle`), checks (:class:`HealthWatch`), restarts and budgets
 (:class:`RestartBook`), the restart asked for (:class:`PlannedRestart`), on-demand
-parking (:class:`Parking`); waits that change no state are in
-:mod:`~appliance.supervisor.waits`. Every move of the state is read in this one file.
+parking (:class:`Parking`), LoRA adapters (:class:`EngineAdapters`); waits that change
+no state are in :mod:`~appliance.supervisor.waits`. Every move of the state is here.
 """
 
 from __future__ import annotations
@@ -27,8 +27,10 @@ from appliance.control import CommandResult
 from appliance.engine import EngineSpec, EngineState, RestartReason, check_transition
 from appliance.errors import IllegalTransition
 from appliance.health import Verdict
+from appliance.supervisor import waits
 from appliance.supervisor.budget import PLANNED_REASONS, RestartBook
 from appliance.supervisor.commands import (
+    WATCHED,
     AskedChecks,
     CheckNow,
     Command,
@@ -42,20 +44,15 @@ from appliance.supervisor.commands import (
     Resume,
     RunnerHost,
     Sleeper,
+    SyncAdapters,
     Unpark,
 )
+from appliance.supervisor.engine_adapters import EngineAdapters
 from appliance.supervisor.inbox import Inbox
 from appliance.supervisor.parking import Parking
 from appliance.supervisor.planned import PlannedRestart
 from appliance.supervisor.runner_status import RunnerFace
-from appliance.supervisor.waits import (
-    UNRESPONSIVE_GRACE_S,
-    back_off,
-    drain_inflight,
-    give_up_hung_requests,
-    stop_grace_s,
-    wait_ready,
-)
+from appliance.supervisor.waits import UNRESPONSIVE_GRACE_S
 from appliance.supervisor.watch import HealthWatch
 
 __all__ = ["KV_POLL_S", "RESTARTABLE", "STABLE_AFTER_S", "UNRESPONSIVE_GRACE_S", "EngineRunner"]
@@ -64,8 +61,8 @@ log = logging.getLogger("appliance.supervisor")
 
 STABLE_AFTER_S = 60.0  # READY this long resets the crash backoff
 KV_POLL_S = 0.5  # KV usage reads while an engine's KV breaker is open
-# An admin restart is refused only while the engine is already going down.
-RESTARTABLE = frozenset(EngineState) - {EngineState.STOPPING}
+RESTARTABLE = frozenset(EngineState) - {EngineState.STOPPING}  # an admin's: not going down
+STOPPABLE = WATCHED | {EngineState.STARTING, EngineState.SLEEPING}
 
 
 class EngineRunner(RunnerFace):
@@ -78,6 +75,7 @@ class EngineRunner(RunnerFace):
         process: ProcessHandle,
         probe: Probe,
         sleeper: Sleeper | None = None,
+        lora: EngineAdapters | None = None,
     ) -> None:
         self.spec = spec
         self._host = host
@@ -92,6 +90,7 @@ class EngineRunner(RunnerFace):
         self._ready_since: float | None = None
         self._asked = AskedChecks()  # the gateway's CheckNow askers, for the next check
         self._parking = Parking(spec, sleeper)  # on demand: down until its model is loaded
+        self._lora = lora or EngineAdapters(spec, None, None)  # synced before READY
         # The telemetry entries of its GPUs, fixed by the spec: the heat loop asks every
         # reading, and needs no whole status copy for it.
         self.telemetry_indexes = self.status().telemetry_indexes
@@ -127,6 +126,9 @@ class EngineRunner(RunnerFace):
                     self._inbox.wake()
             case Park() | Unpark():
                 self._parking.obey(command)
+                self._inbox.wake()
+            case SyncAdapters():
+                self._lora.obey(command, self._state in WATCHED)
                 self._inbox.wake()
             case Nudge():
                 self._inbox.wake()
@@ -204,7 +206,7 @@ class EngineRunner(RunnerFace):
                 if self._parking.down():
                     continue  # put away, or died asleep: restarted when next loaded
                 if self._book_restart(reason) and reason not in PLANNED_REASONS:
-                    await back_off(self.spec, self._host, self._book, self._inbox, reason)
+                    await waits.back_off(self.spec, self._host, self._book, self._inbox, reason)
         finally:
             self._inbox.close(
                 lambda: self._answer(
@@ -220,9 +222,7 @@ class EngineRunner(RunnerFace):
         log.error(
             "%s: more than %d restarts within an hour; FAILED until an "
             "admin restarts it (last reason: %s)",
-            self.spec.name,
-            limit,
-            reason.value,
+            *(self.spec.name, limit, reason.value),
         )
         self._set_state(EngineState.FAILED)
         return False
@@ -240,9 +240,11 @@ class EngineRunner(RunnerFace):
         self._process.remove_stale_socket()
         self._set_state(EngineState.STARTING)
         await self._inbox.busy(self._process.spawn(self._plan.batched_tokens))
-        reason = await wait_ready(self.spec, self._host, self._process, self._health, self._inbox)
+        host, inbox = self._host, self._inbox
+        reason = await waits.wait_ready(self.spec, host, self._process, self._health, inbox)
         if reason is not None or self._host.stopping:
             return None if self._host.stopping else reason
+        await self._lora.sync(self._process.api_key, self._inbox)  # its adapters, then READY
         self._set_state(EngineState.READY)
         return await self._watch()
 
@@ -267,6 +269,8 @@ class EngineRunner(RunnerFace):
                     return self._process.log_exit("while serving")
                 if self._host.stopping:
                     return None
+                if self._lora.stale:
+                    await self._lora.sync(self._process.api_key, self._inbox)
                 if self._parking.asked and (reason := await self._put_away(exited)):
                     return reason
                 if self._plan.requested is not None and (reason := await self._planned()):
@@ -281,6 +285,7 @@ class EngineRunner(RunnerFace):
                     return reason
         finally:
             exited.cancel()
+            self._lora.drop_askers()
             self._asked.answer(self._answer(False, "it is going down"), self._asked.take())
 
     async def _planned(self) -> RestartReason | None:
@@ -312,6 +317,7 @@ class EngineRunner(RunnerFace):
             return None  # it exited, or the daemon stops: the watch sees either at the top
         if not await parking.wake(host, key, inbox):
             return RestartReason.CRASH
+        await self._lora.sync(key, inbox)  # changed while asleep: synced before READY
         self._set_state(EngineState.READY)
         return None
 
@@ -368,22 +374,16 @@ class EngineRunner(RunnerFace):
         """Stop routing to it and let in-flight work finish (bounded)."""
         if self._state in (EngineState.READY, EngineState.SUSPECT):
             self._set_state(EngineState.DRAINING)
-        await drain_inflight(self.spec, self._host, self._inbox)
+        await waits.drain_inflight(self.spec, self._host, self._inbox)
 
     async def _stop(self, reason: RestartReason | None) -> None:
         """Take the engine down: SIGTERM its tree, SIGKILL what stays, wait for its port."""
-        if self._state in (
-            EngineState.STARTING,
-            EngineState.READY,
-            EngineState.SUSPECT,
-            EngineState.DRAINING,
-            EngineState.SLEEPING,
-        ):
+        if self._state in STOPPABLE:
             self._set_state(EngineState.STOPPING)
         host = self._host
         if reason is RestartReason.HUNG:
-            give_up_hung_requests(self.spec, host)
-        timeout = stop_grace_s(self.spec, host, reason)
+            waits.give_up_hung_requests(self.spec, host)
+        timeout = waits.stop_grace_s(self.spec, host, reason)
         why = reason.value if reason is not None else "the daemon is stopping"
         await self._inbox.busy(self._process.kill_tree(timeout, why))
         if self._state is not EngineState.FAILED:

@@ -28,8 +28,9 @@ import pytest
 
 from appliance.config import SECTIONS, Config, load_config, parse_config
 from appliance.config.models import MODEL_ENGINE_KEYS, MODEL_KEYS, TASKS
-from appliance.config.on_demand import ADAPTER_CONFIG, LOADS, SWAPS
+from appliance.config.on_demand import LOADS, SWAPS
 from appliance.config.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
+from tests.fakes.lora_files import fake_adapter
 
 REPO = Path(__file__).resolve().parents[2]
 ANSIBLE_DIR = REPO / "ansible"
@@ -326,9 +327,7 @@ def rendered(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     sensors = tmp / "sensors dir" / "sensors.json"
     sensors.parent.mkdir()
     sensors.write_text('{"gpus": []}')
-    adapter = tmp / "lora" / "sql"
-    adapter.mkdir(parents=True)
-    (adapter / ADAPTER_CONFIG).write_text("{}")
+    fake_adapter(tmp / "lora" / "sql")
     tasks: list[dict[str, Any]] = []
     for name, variant in RENDER_VARIANTS.items():
         overrides = {k: _in_render_dir(v, tmp) for k, v in variant.items()}

@@ -12,6 +12,7 @@ from appliance.config import parse_config
 from appliance.config.on_demand import Adapter, slots
 from appliance.errors import ConfigError
 from appliance.reload import merge_live
+from tests.fakes.lora_files import fake_adapter
 
 OD = {"load": "on_demand"}
 
@@ -92,7 +93,7 @@ def test_defaults_keep_every_model_always() -> None:
 
 
 def test_on_demand_models_on_the_same_gpus_form_one_slot(tmp_path: Path) -> None:
-    (tmp_path / "adapter_config.json").write_text("{}")
+    fake_adapter(tmp_path)
     cfg = parse_config(
         {
             "models": [

@@ -15,7 +15,7 @@ import pytest
 
 from appliance import paths
 from appliance.config import parse_config
-from appliance.control import ApplianceStatus
+from appliance.control import ApplianceStatus, NoModels
 from appliance.gateway.admin import status_document
 from appliance.plan import plan_engines
 
@@ -57,6 +57,7 @@ def status_with(
         appliance=SimpleNamespace(status=lambda: status),
         admission=SimpleNamespace(queue_depth=0),
         state_files=lambda: (),
+        model_door=NoModels(),
     )
     return status_document(cast(Any, gw))
 

@@ -1,0 +1,47 @@
+"""The admin's LoRA adapter routes' parts (issue 23): the body of an add, the answer
+when the supervisor refused, how an adapter shows in ``/admin/status``. The handlers are
+:class:`appliance.gateway.admin.Admin`'s (audited like every admin action)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp import web
+
+from appliance.control import AdapterResult, AdapterStatus
+from appliance.gateway.errors import GatewayError
+
+
+def shown(name: str) -> str:
+    """A name from a path, as the audit trail records it: bounded."""
+    return name if len(name) <= 64 else name[:61] + "..."
+
+
+async def adapter_body(request: web.Request) -> tuple[str, str]:
+    """``{"name", "path"}`` of an adapter to add, or a 400 naming the field."""
+    try:
+        body = await request.json()
+    except (ValueError, RecursionError):
+        raise GatewayError(400, "the request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise GatewayError(400, 'the request body must be {"name": ..., "path": ...}')
+    unknown = sorted(set(body) - {"name", "path"})
+    if unknown:
+        raise GatewayError(
+            400, f"unknown field(s) {unknown}; allowed: name, path", param=unknown[0]
+        )
+    for field_name in ("name", "path"):
+        if not isinstance(body.get(field_name), str) or not body[field_name]:
+            raise GatewayError(400, f"'{field_name}' is required: a string", param=field_name)
+    return body["name"], body["path"]
+
+
+def refuse_unless(result: AdapterResult, detail: dict[str, object]) -> None:
+    if not result.ok:
+        detail["message"] = result.message
+        retry = 5 if result.status == 503 else None
+        raise GatewayError(result.status, result.message, code=result.code, retry_after=retry)
+
+
+def adapter_json(a: AdapterStatus) -> dict[str, Any]:
+    return {"name": a.name, "model": a.model, "path": a.path, "source": a.source}

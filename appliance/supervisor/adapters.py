@@ -1,0 +1,247 @@
+"""LoRA adapters served as models (issue 23): the one owner of which adapters each model
+serves, and of the admin's ones kept across restarts.
+
+::
+
+    gateway: add_adapter / remove_adapter ──► AdapterBook (here)
+        add:     folder, name and rank checked ─► wanted ─► SyncAdapters to each runner
+                 of the base model (each loads it on its engine, from its own task)
+                 ─► all loaded: kept in adapters.json; one refused: taken back, 4xx
+        remove:  forgotten ─► SyncAdapters (each unloads it) ─► adapters.json
+    a runner, before its engine is READY (a start, a wake): synced to ``wanted``
+
+A model's adapters in the config are its own from the start (vLLM ``--lora-modules``);
+the admin's are kept in ``adapters.json`` beside the keys file (0600, written
+atomically), loaded again at every start of an engine, and their ranks size the
+engines' ``--max-lora-rank`` at the daemon's next start. A config reload changes
+neither (a model's keys need a restart).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from appliance.config import Config, ServedModel
+from appliance.config.lora import AdapterError, adapter_rank
+from appliance.config.models import NAME_RE
+from appliance.control import AdapterResult, AdapterStatus
+from appliance.fsutil import FileWriteError, atomic_write
+from appliance.supervisor.commands import SyncAdapters
+from appliance.supervisor.runner import EngineRunner
+
+log = logging.getLogger("appliance.supervisor")
+
+ADAPTERS_FILE = "adapters.json"
+FORMAT = 1
+ANSWER_WAIT_S = 120.0  # every engine's load (vLLM reads the weights) answered by then
+
+
+@dataclass(frozen=True)
+class Kept:
+    """An adapter the admin added: its base model (canonical name) and folder."""
+
+    name: str
+    model: str
+    path: str
+
+
+def adapters_path(keys_file: str) -> Path:
+    return Path(keys_file).with_name(ADAPTERS_FILE)
+
+
+def read_kept(path: Path, served: Sequence[ServedModel]) -> list[Kept]:
+    """The admin's adapters kept in ``path``, those that still fit the config (a base
+    model gone or a name now the config's is left out, said once)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        entries = data["adapters"] if data.get("format") == FORMAT else None
+        kept = [Kept(str(e["name"]), str(e["model"]), str(e["path"])) for e in entries or ()]
+    except FileNotFoundError:
+        return []
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        log.error("%s cannot be read (%s): no adapters added at run time are served", path, exc)
+        return []
+    models = {m.name for m in served}
+    taken = {n for m in served for n in (*m.names, *(a.name for a in m.adapters))}
+    out = []
+    for k in kept:
+        if k.model not in models or k.name in taken or not NAME_RE.fullmatch(k.name):
+            log.warning("%s: adapter %s (of %s) left out: no longer fits", path, k.name, k.model)
+            continue
+        taken.add(k.name)
+        out.append(k)
+    return out
+
+
+class AdapterBook:
+    def __init__(self, config: Callable[[], Config], path: Path) -> None:
+        self._config = config
+        self._path = path
+        self._kept = {k.name: k for k in read_kept(path, config().served)}
+        self._runners: list[EngineRunner] = []
+        self._lock = asyncio.Lock()  # one admin change at a time
+        self._names: dict[str, str] = {}
+        self._index()
+
+    def attach(self, runners: Sequence[EngineRunner]) -> None:
+        self._runners = list(runners)
+
+    def kept_ranks(self) -> dict[str, list[int]]:
+        """Per model, the ranks of its kept adapters (the plan sizes --max-lora-rank)."""
+        out: dict[str, list[int]] = {}
+        for k in self._kept.values():
+            with contextlib.suppress(AdapterError):  # said when its engines load it
+                out.setdefault(k.model, []).append(adapter_rank(k.path))
+        return out
+
+    # ---- what the gateway and the runners read ----------------------------------------
+    def names(self) -> Mapping[str, str]:
+        return self._names
+
+    def adapters(self) -> tuple[AdapterStatus, ...]:
+        config = tuple(
+            AdapterStatus(a.name, m.name, a.path, "config")
+            for m in self._config().served
+            for a in m.adapters
+        )
+        admin = (AdapterStatus(k.name, k.model, k.path, "admin") for k in self._kept.values())
+        return (*config, *admin)
+
+    def wanted(self, model: str) -> dict[str, str]:
+        """What the engines of ``model`` should serve: adapter name -> folder."""
+        return {a.name: a.path for a in self.adapters() if a.model == model}
+
+    def _index(self) -> None:
+        # Replaced, never changed in place: the gateway may hold the last one.
+        self._names = {a.name: a.model for a in self.adapters()}
+
+    # ---- the admin's changes ----------------------------------------------------------
+    async def add(self, model: str, name: str, path: str) -> AdapterResult:
+        async with self._lock:
+            base = self._config().model(model)
+            refused = self._check_add(base, name, path)
+            if refused is not None:
+                return refused
+            assert base is not None
+            self._kept[name] = Kept(name, base.name, path)
+            self._index()
+            errors = await self._sync(base.name)
+            if name in errors:
+                del self._kept[name]
+                self._index()
+                await self._sync(base.name)  # taken back where it did load
+                return AdapterResult(
+                    400, f"the engine could not load it: {errors[name]}", "adapter_invalid"
+                )
+            saved = await self._save()
+            if saved is not None:
+                del self._kept[name]
+                self._index()
+                await self._sync(base.name)
+                return saved
+            log.info("adapter %s: added to %s from %s", name, base.name, path)
+            return AdapterResult(200)
+
+    async def remove(self, model: str, name: str) -> AdapterResult:
+        async with self._lock:
+            base = self._config().model(model)
+            owner = self._names.get(name)
+            if base is None or owner != base.name:
+                what = f"'{model}'" if base is None else f"the model '{base.name}'"
+                return AdapterResult(404, f"{what} has no adapter '{name}'", "adapter_not_found")
+            kept = self._kept.pop(name, None)
+            if kept is None:
+                return AdapterResult(
+                    409,
+                    f"the adapter '{name}' is in the config (its model's adapters): remove it "
+                    "there and restart the service",
+                    "adapter_in_config",
+                )
+            saved = await self._save()
+            if saved is not None:
+                self._kept[name] = kept
+                return saved
+            self._index()
+            await self._sync(base.name)
+            log.info("adapter %s: removed from %s", name, base.name)
+            return AdapterResult(200)
+
+    def _check_add(self, base: ServedModel | None, name: str, path: str) -> AdapterResult | None:
+        """Why the adapter cannot be added (a 4xx), or None."""
+        if base is None:
+            return AdapterResult(404, "no model has that name", "model_not_found")
+        if not NAME_RE.fullmatch(name):
+            return AdapterResult(400, "name: must be 1-64 characters of a-z 0-9 . _ -", "name")
+        if self._config().model(name) is not None or name in self._names:
+            return AdapterResult(
+                409,
+                f"'{name}' is already a model, alias or adapter name; adapter names are "
+                "model names and must be unique",
+                "name_taken",
+            )
+        try:
+            rank = adapter_rank(path)
+        except AdapterError as exc:
+            return AdapterResult(400, f"path {path!r}: {exc}", "adapter_invalid")
+        return _rank_problem(base, rank, [r.spec.lora_rank for r in self._mine(base.name)])
+
+    def _mine(self, model: str) -> list[EngineRunner]:
+        return [r for r in self._runners if r.spec.model == model]
+
+    async def _sync(self, model: str) -> dict[str, str]:
+        """Every engine of ``model`` made to serve what is wanted; what failed, by name."""
+        loop = asyncio.get_running_loop()
+        asked = []
+        for r in self._mine(model):
+            done: asyncio.Future[dict[str, str]] = loop.create_future()
+            r.tell(SyncAdapters(done))
+            asked.append(done)
+        errors: dict[str, str] = {}
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(ANSWER_WAIT_S):
+                for done in asked:
+                    errors |= await done
+        for done in asked:
+            if not done.done():
+                done.cancel()
+                errors["*"] = "an engine did not answer in time"
+        return errors
+
+    async def _save(self) -> AdapterResult | None:
+        """adapters.json written (None), or the 5xx saying why not (nothing changed)."""
+        entries = [{"name": k.name, "model": k.model, "path": k.path} for k in self._kept.values()]
+        data = json.dumps({"format": FORMAT, "saved": time.time(), "adapters": entries}, indent=1)
+        try:
+            await asyncio.to_thread(atomic_write, self._path, data.encode() + b"\n")
+        except (FileWriteError, OSError) as exc:
+            log.error("%s could not be written: %s", self._path, exc)
+            return AdapterResult(503, f"{self._path} could not be written: {exc}", "state_file")
+        return None
+
+
+def _rank_problem(base: ServedModel, rank: int, engine_ranks: list[int]) -> AdapterResult | None:
+    """Whether the base model's engines can take an adapter of ``rank``."""
+    if not engine_ranks or min(engine_ranks) == 0:
+        return AdapterResult(
+            409,
+            f"the engines of '{base.name}' run without LoRA: a model serves adapters when "
+            "it has some in the config (adapters = [...]) or extra_args has --enable-lora; "
+            "change the config and restart the service",
+            "lora_off",
+        )
+    if rank > min(engine_ranks):
+        return AdapterResult(
+            409,
+            f"its LoRA rank {rank} is above the engines' --max-lora-rank {min(engine_ranks)}; "
+            'set a larger one in the model\'s extra_args (e.g. ["--max-lora-rank", "64"]) '
+            "and restart the service",
+            "rank_too_large",
+        )
+    return None
