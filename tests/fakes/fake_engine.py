@@ -64,9 +64,11 @@ from typing import Any
 from aiohttp import web
 
 try:
+    from tests.fakes import fake_lora
     from tests.fakes.fake_protocols import ProtocolRoutes
     from tests.fakes.fake_sleep import SleepMode
 except ImportError:  # run as a script without the repository on sys.path: its folder is
+    import fake_lora  # type: ignore[import-not-found,no-redef]
     from fake_protocols import ProtocolRoutes  # type: ignore[import-not-found,no-redef]
     from fake_sleep import SleepMode  # type: ignore[import-not-found,no-redef]
 
@@ -116,6 +118,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--max-model-len", type=int, default=8192)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--disable-uvicorn-access-log", action="store_true")
+    fake_lora.add_arguments(p)  # --enable-lora, --max-lora-rank, --lora-modules
     # Fake-only flags.
     p.add_argument("--token-delay-ms", type=float, default=2.0)
     p.add_argument("--first-token-delay-ms", type=float, default=0.0)
@@ -436,6 +439,7 @@ class FakeEngine:
         self.ballast: list[bytes] = []  # allocate_mib's memory, kept
         self.gpu_work = GpuWork.start(args.gpu_share)
         self.sleep_mode = SleepMode(self, args.wake_delay_s)  # VLLM_SERVER_DEV_MODE=1 only
+        self.lora = fake_lora.FakeLora(args, self.served)  # --enable-lora: fake_lora.py
         self.reset_stats()
 
     def reset_stats(self) -> None:
@@ -474,6 +478,7 @@ class FakeEngine:
         r.add_post("/fake/control", self.fake_control)
         if SleepMode.enabled():  # vLLM's development routes, as vLLM registers them
             self.sleep_mode.add_routes(r)
+        self.lora.add_routes(r)  # VLLM_ALLOW_RUNTIME_LORA_UPDATING: load and unload
         return app
 
     @web.middleware
@@ -566,6 +571,7 @@ class FakeEngine:
             }
             for name in self.served
         ]
+        data += self.lora.cards(self.created)
         return web.json_response({"object": "list", "data": data})
 
     def kv_usage(self) -> float:
@@ -707,6 +713,7 @@ class FakeEngine:
             "pid": os.getpid(),
             "child_pid": self.child.pid if self.child else None,
             "sleeping": self.sleep_mode.sleeping,
+            "adapters": dict(self.lora.adapters),  # LoRA: name -> folder (fake_lora.py)
             "sleeps": self.sleep_mode.sleeps,
             "wakes": self.sleep_mode.wakes,
             "running": self.running,
@@ -805,7 +812,7 @@ class FakeEngine:
         self.requests_by_route[route] = self.requests_by_route.get(route, 0) + 1
         self.last_request = {"path": route, "body": body}
         model = body.get("model")
-        if model is not None and model not in self.served:
+        if model is not None and model not in self.served and not self.lora.serves(model):
             return error_response(
                 f"The model `{model}` does not exist.", "NotFoundError", 404, "model"
             )
@@ -873,6 +880,8 @@ class FakeEngine:
         max_tokens = self._max_tokens(body, max(prompts))
         if isinstance(max_tokens, web.Response):
             return max_tokens
+        # vLLM answers a LoRA adapter's request under the adapter's name.
+        answered = body["model"] if self.lora.serves(body.get("model", "")) else self.model_name
         stream = bool(body.get("stream"))
         stream_options = body.get("stream_options") or {}
         include_usage = bool(stream_options.get("include_usage")) if stream else False
@@ -893,7 +902,7 @@ class FakeEngine:
                 "id": req_id,
                 "object": obj_chunk,
                 "created": created,
-                "model": self.model_name,
+                "model": answered,
                 "choices": choices,
             }
             if usage is not None:
@@ -1017,7 +1026,7 @@ class FakeEngine:
                     "id": req_id,
                     "object": obj,
                     "created": created,
-                    "model": self.model_name,
+                    "model": answered,
                     "choices": choices,
                     "usage": usage,
                     "prompt_logprobs": None,
@@ -1145,6 +1154,11 @@ async def serve(args: argparse.Namespace, unknown: list[str]) -> int:
                 log("Shutdown requested during start-up.")
                 return 0
 
+        try:
+            engine.lora.load_static(args.lora_modules)  # vLLM: before the server listens
+        except SystemExit as exc:
+            log(f"ERROR: {exc}")
+            return 1
         runner = web.AppRunner(
             engine.make_app(),
             handle_signals=False,
