@@ -178,7 +178,8 @@ class AdapterBook:
         if base is None:
             return AdapterResult(404, "no model has that name", "model_not_found")
         if not NAME_RE.fullmatch(name):
-            return AdapterResult(400, "name: must be 1-64 characters of a-z 0-9 . _ -", "name")
+            message = "name: must be 1-64 characters of a-z 0-9 . _ -"
+            return AdapterResult(400, message, "invalid_request")
         if self._config().model(name) is not None or name in self._names:
             return AdapterResult(
                 409,

@@ -38,7 +38,8 @@ FAKE_ENGINE_PATH = str(Path(__file__).resolve().with_name("fake_engine.py"))
 # The modules fake_engine.py imports from beside it when run as a lone script (a copy in
 # a container, without the repository on sys.path): copy them with it.
 FAKE_ENGINE_SIBLINGS = tuple(
-    str(Path(FAKE_ENGINE_PATH).with_name(name)) for name in ("fake_protocols.py", "fake_sleep.py")
+    str(Path(FAKE_ENGINE_PATH).with_name(name))
+    for name in ("fake_protocols.py", "fake_sleep.py", "fake_lora.py")
 )
 DEFAULT_MODEL_NAME = "smollm2"
 

@@ -166,7 +166,7 @@ def test_the_gateway_never_relays_the_engines_lora_routes(box: Box) -> None:
         ("chat", "od-sql", "{tmp}/lora/sql", 409, "name_taken"),  # another's adapter
         ("plain", "p-sql", "{tmp}/lora/sql", 409, "lora_off"),
         ("nope", "n-sql", "{tmp}/lora/sql", 404, "model_not_found"),
-        ("chat", "Bad Name", "{tmp}/lora/sql", 400, "name"),
+        ("chat", "Bad Name", "{tmp}/lora/sql", 400, "invalid_request"),
     ],
 )
 def test_an_adapter_that_cannot_be_served_is_refused_clearly(
@@ -221,6 +221,13 @@ def test_an_admin_adds_an_adapter_at_run_time_and_it_survives_an_engine_restart(
         "engine 0 back with sql2",
     )
     box.app.wait_for(lambda: box.chat("sql2")[0] == 200, 30, "sql2 answers again")
+    # A config reload (SIGHUP) keeps the admin's adapter as it keeps the config's.
+    box.app.signal(signal.SIGHUP)
+    box.app.wait_for(
+        lambda: "config.reload" in (box.tmp / "audit.log").read_text(), 30, "the reload"
+    )
+    assert box.listed()["sql2"] == "chat"
+    assert box.chat("sql2")[0] == 200
 
 
 def test_an_admin_removes_an_adapter_everywhere(box: Box) -> None:

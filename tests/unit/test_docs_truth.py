@@ -152,6 +152,11 @@ def source_codes() -> frozenset[str]:
                 ):
                     sinks[name] = _sink_for(fn, arg.id, method=method)
                     changed = True
+    # The supervisor's answers to an admin's adapter change carry the code the gateway
+    # answers with (control.AdapterResult(status, message, code)).
+    for call in ast.walk(ast.parse((PACKAGE / "supervisor" / "adapters.py").read_text())):
+        if isinstance(call, ast.Call) and _callee(call) == "AdapterResult" and len(call.args) > 2:
+            codes.update(_patterns(call.args[2]))
     return frozenset(codes)
 
 
