@@ -31,7 +31,9 @@ class GatewayConfig:
     max_tokens_cap: int = _f(
         4096,
         "Largest `max_tokens` a request may ask for; larger is "
-        "refused with 400 (never silently clamped). A chat request without "
+        "refused with 400 (never silently clamped), except on `/v1/messages`, where it "
+        "is lowered to this value and the answer says so (`X-Appliance-Max-Tokens`; "
+        "Claude Code asks for 32000). A chat request without "
         "`max_tokens` (or with null) is sent to the engine with this value, never "
         "more than the context leaves.",
         lo=1,

@@ -43,6 +43,7 @@ from appliance.gateway.probes import Probes
 from appliance.gateway.protocols import ALL as ALL_ROUTES
 from appliance.gateway.proxy import Relay
 from appliance.gateway.ratelimit import RateLimiter
+from appliance.gateway.request_body import add_lowered_header
 from appliance.gateway.server import ConnectionLimits, GatewayRunner, ensure_fd_room
 from appliance.gateway.ui import StatusPage
 from appliance.gateway.upstream_pool import UpstreamPool
@@ -182,6 +183,7 @@ def create_app(appliance: Appliance, audit: AuditLog | None = None) -> web.Appli
     Admin(gw).add_routes(r)
     StatusPage(gw).install(app)  # /ui, / and /admin/history; its history sampler
     app.on_response_prepare.append(add_model_header)
+    app.on_response_prepare.append(add_lowered_header)
     app.on_startup.append(gw.on_startup)
     app.on_cleanup.append(gw.on_cleanup)
     return app

@@ -76,6 +76,9 @@ class Cost:
     # the most the engine may generate, all prompts and sequences: what a request cut off
     # with no answer is charged for its completion
     completion_bound: int = 0
+    # ``write`` lowers a value the client sent (Messages' max_tokens above the cap): the
+    # answer says so in its head (request_body.LOWERED_HEADER)
+    lowered: bool = False
 
 
 def _bad(message: str, param: str) -> GatewayError:

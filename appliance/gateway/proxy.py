@@ -54,7 +54,7 @@ from appliance.gateway.fallback import REFUSE_HEADER, SERVED_BY, fallback_allowe
 from appliance.gateway.models import candidates, model_cards, resolve_named
 from appliance.gateway.protocols import ROUTES, Route
 from appliance.gateway.protocols.tools import tools_refusal
-from appliance.gateway.request_body import ParsedRequest, finish_body, open_body, read_body
+from appliance.gateway.request_body import LOWERED, ParsedRequest, finish_body, open_body, read_body
 from appliance.gateway.stored_responses import REPLAY, Holder, StoredResponses, spawn_of
 from appliance.gateway.stored_responses import replays_stream as replays
 from appliance.gateway.via_client import relay_via_client
@@ -392,6 +392,7 @@ class Relay:
         attempts = self._attempts[engine_id]
         attempts.add(attempt)
         self._record_state(request, parsed, engine_id)
+        request[LOWERED] = parsed.lowered  # X-Appliance-Max-Tokens (request_body.py)
         call = EngineCall(request, parsed, attempt, snap.address, path, headers, started, method)
         try:
             if parsed.stream and request.version >= HttpVersion11 and method == "POST":

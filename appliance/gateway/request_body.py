@@ -38,10 +38,24 @@ class ParsedRequest:
     # fallback is costed on that model's context, but was charged on the one it named.
     charged: int | None = None
     state: StateRef | None = None  # what of it lives in one engine (a stored response)
+    lowered: int | None = None  # the max_tokens sent when lower than the client's (Messages)
 
     @property
     def tpm_charge(self) -> int:
         return self.cost if self.charged is None else self.charged
+
+
+# On an answer whose max_tokens the gateway lowered: the value the engine was sent.
+LOWERED_HEADER = "X-Appliance-Max-Tokens"
+LOWERED = "max_tokens_lowered"  # request key, set when the request is relayed (proxy.py)
+
+
+async def add_lowered_header(request: web.BaseRequest, response: web.StreamResponse) -> None:
+    """``on_response_prepare``: an answer from an engine that was sent a lower
+    max_tokens than the client asked says so in its head, streamed or not."""
+    lowered = request.get(LOWERED)
+    if lowered is not None:
+        response.headers[LOWERED_HEADER] = str(lowered)
 
 
 def bad_request(message: str, param: str | None = None) -> GatewayError:
@@ -167,8 +181,17 @@ def finish_body(
     user = body.get("user")
     session = session_key(user if isinstance(user, str) else None, headers.get("X-Session-Id"))
     state = spec.state(body) if spec.state is not None else None
+    lowered = cost.write[1] if cost.lowered and cost.write is not None else None
     return ParsedRequest(
-        route, canonical, opened.stream, cost.tokens, session, raw, plan, state=state
+        route,
+        canonical,
+        opened.stream,
+        cost.tokens,
+        session,
+        raw,
+        plan,
+        state=state,
+        lowered=lowered,
     )
 
 

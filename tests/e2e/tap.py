@@ -42,6 +42,7 @@ class Exchange:
     status: int = 0
     content_type: str = ""
     answer: bytearray = field(default_factory=bytearray)
+    answer_headers: dict[str, str] = field(default_factory=dict)  # names in lower case
 
     def json_request(self) -> Any:
         try:
@@ -99,6 +100,7 @@ def _handler(tap: Tap) -> type[http.server.BaseHTTPRequestHandler]:
                 conn.request(self.command, self.path, body or None, headers)
                 resp = conn.getresponse()
                 ex.status, ex.content_type = resp.status, resp.getheader("Content-Type", "")
+                ex.answer_headers = {k.lower(): v for k, v in resp.getheaders()}
                 self.send_response(resp.status)
                 for k, v in resp.getheaders():
                     if k.lower() not in HOP_BY_HOP:

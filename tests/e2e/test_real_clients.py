@@ -22,7 +22,8 @@ What the module needs for that, and why:
   token limit, which Claude Code reports as an error: greedy makes each run the same;
 - ``max_tokens_cap = 256``: an answer that runs to the cap on a shared 2-core machine
   takes minutes; Claude Code asks ``max_tokens = 32000`` unless told
-  (``CLAUDE_CODE_MAX_OUTPUT_TOKENS``), which the gateway refuses above the cap;
+  (``CLAUDE_CODE_MAX_OUTPUT_TOKENS``, which its test leaves unset): the Messages route
+  lowers it to the cap and says so (``X-Appliance-Max-Tokens``);
 - no degradation restarts: other tests load the same cores, and a restart mid-answer
   breaks the client's stream (the clients under test, not the health policy, are the
   subject here).
@@ -353,7 +354,6 @@ def test_claude_code_print_mode_on_the_messages_api(box: Box) -> None:
         "ANTHROPIC_MODEL": MODEL,
         "ANTHROPIC_DEFAULT_HAIKU_MODEL": MODEL,
         "ANTHROPIC_SMALL_FAST_MODEL": MODEL,
-        "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "256",
         "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
         "DISABLE_TELEMETRY": "1",
         "DISABLE_ERROR_REPORTING": "1",
@@ -368,4 +368,8 @@ def test_claude_code_print_mode_on_the_messages_api(box: Box) -> None:
     assert done.stdout.strip()
     assert {ex.path.split("?")[0] for ex in seen} == {"/v1/messages"}
     assert all("x-api-key" in ex.header_names for ex in seen)
+    # No CLAUDE_CODE_MAX_OUTPUT_TOKENS: it asked its default, the box sent its cap.
+    asked = {ex.json_request()["max_tokens"] for ex in seen}
+    assert min(asked) > 256, asked
+    assert {ex.answer_headers.get("x-appliance-max-tokens") for ex in seen} == {"256"}
     box.assert_charged(key_id, seen)

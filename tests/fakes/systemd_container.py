@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tests.fakes.appliance_proc import write_config
+from tests.fakes.appliance_proc import fake_engine_config, write_config
 from tests.fakes.engine_proc import FAKE_ENGINE_PATH, FAKE_ENGINE_SIBLINGS
 
 RUN_BASE = Path("/run/llm-appliance-systemd-test")
@@ -658,6 +658,7 @@ ENGINE_PORT_BASE = 8100
 # The service cannot use a python under /root (ProtectHome=yes): a deployment's venv is
 # made with the system's.
 SYSTEM_PYTHON = "/usr/bin/python3"
+STARTUP_DELAY_S = 1.5  # each fake engine "loads" this long: READY cannot come earlier
 
 _HTTP_SCRIPT = """
 import sys, urllib.request, urllib.error
@@ -697,6 +698,14 @@ class InstalledAppliance:
             check=True,
         )
 
+    def use_fake_engines(self) -> InstalledAppliance:
+        """Configure two fake engines (:func:`fake_config`) unless done; it may be stopped."""
+        if self.facts.get("config") != "fake":
+            self.box.run(["systemctl", "stop", UNIT_NAME], timeout=200)
+            self.write_config(fake_config())
+            self.facts["config"] = "fake"
+        return self
+
     def set_drop_in(self, text: str | None) -> None:
         """Write (None: remove) the test drop-in, then daemon-reload."""
         path = self.box.path(DROP_IN)
@@ -725,6 +734,33 @@ class InstalledAppliance:
         )
         code, _, out = r.stdout.partition("\n")
         return int(code or 0), out
+
+
+def fake_config() -> dict[str, dict[str, Any]]:
+    """The installed appliance's config with two fake engines (each with a child)."""
+    cfg = fake_engine_config(Path(STATE), 2)
+    cfg["gateway"].update({"port": GATEWAY_PORT, "keys_file": f"{STATE}/keys.json"})
+    cfg["engine"].update(
+        {
+            "port_base": ENGINE_PORT_BASE,
+            "command": [
+                f"{VENV}/bin/python",
+                FAKE_ENGINE,
+                "--uds",
+                "{uds}",
+                "--api-key",
+                "{api_key}",
+                "--served-model-name",
+                "{served_model_name}",
+                "--spawn-child",
+                "--startup-delay",
+                str(STARTUP_DELAY_S),
+                "--token-delay-ms",
+                "5",
+            ],
+        }
+    )
+    return cfg
 
 
 def install_appliance(box: SystemdContainer) -> InstalledAppliance:

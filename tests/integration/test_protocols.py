@@ -30,6 +30,7 @@ from tests.fakes.appliance_proc import STEADY_HEALTH, Appliance, fake_engine_con
 pytestmark = pytest.mark.slow
 
 CHAT, EMBED = "chat", "embed"
+CAP = 64  # gateway.max_tokens_cap
 
 
 class Box:
@@ -116,7 +117,10 @@ class Box:
 @pytest.fixture(scope="module")
 def box(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Box]:
     tmp = tmp_path_factory.mktemp("protocols")
-    cfg: dict[str, Any] = fake_engine_config(tmp, 3, health=STEADY_HEALTH)
+    # A small cap: the fake engine generates every token a request allows.
+    cfg: dict[str, Any] = fake_engine_config(
+        tmp, 3, health=STEADY_HEALTH, gateway={"max_tokens_cap": CAP}
+    )
     cfg["models"] = [
         {"name": CHAT, "cpu_engines": 2},
         {"name": EMBED, "task": "embed", "model": str(tmp), "cpu_engines": 1},
@@ -242,6 +246,27 @@ def test_messages_take_x_api_key_and_count_the_engines_usage(box: Box) -> None:
     after = box.tokens(box.alice_id)
     prompt = whole["usage"]["input_tokens"] + 2 * delta["input_tokens"]
     assert after == (before[0] + prompt, before[1] + 3 * 3)
+
+
+def test_messages_above_the_cap_are_lowered_to_it_and_say_so(box: Box) -> None:
+    """Claude Code asks max_tokens 32000 unless told: it gets the cap, visibly (the
+    engine's own stop_reason, and the value sent in the head), streamed or not."""
+    body = {"model": CHAT, "max_tokens": 32000, "messages": [{"role": "user", "content": "hi"}]}
+    hdrs = {"x-api-key": box.alice}
+    code, head, whole = box.call("POST", "/v1/messages", body, headers=hdrs)
+    assert code == 200, whole
+    assert head.get("x-appliance-max-tokens") == str(CAP), head
+    assert (whole["stop_reason"], whole["usage"]["output_tokens"]) == ("max_tokens", CAP)
+    code, head, text = box.call("POST", "/v1/messages", {**body, "stream": True}, headers=hdrs)
+    assert code == 200 and head.get("x-appliance-max-tokens") == str(CAP), head
+    delta = next(d for n, d in sse_events(text) if n == "message_delta")
+    assert (delta["delta"]["stop_reason"], delta["usage"]["output_tokens"]) == ("max_tokens", CAP)
+    # At the cap: sent as asked, nothing said. The OpenAI routes still refuse above it.
+    code, head, _ = box.call("POST", "/v1/messages", {**body, "max_tokens": CAP}, headers=hdrs)
+    assert code == 200 and "x-appliance-max-tokens" not in head, head
+    chat = {"model": CHAT, "max_tokens": CAP + 1, "messages": body["messages"]}
+    code, _, err = box.call("POST", "/v1/chat/completions", chat)
+    assert code == 400 and err["error"]["param"] == "max_tokens", err
 
 
 def test_messages_refusals_are_in_anthropics_shape(box: Box) -> None:

@@ -7,7 +7,8 @@ systemd-nspawn and apt cannot install it, no overlay file system, mounting forbi
 
 ``installed_appliance`` (session) installs the appliance inside it the way a deployment
 does (:func:`tests.fakes.systemd_container.install_appliance`); tests then write the
-config and drop-ins they need.
+config and drop-ins they need. ``fake_appliance`` configures it with two fake engines
+(once per session, again after a test switched to another config).
 """
 
 from __future__ import annotations
@@ -55,3 +56,9 @@ def installed_appliance(systemd_container: sc.SystemdContainer) -> sc.InstalledA
         pytest.skip(str(exc))
     print(f"\n[systemd] appliance installed in {app.install_s:.1f} s")
     return app
+
+
+@pytest.fixture
+def fake_appliance(installed_appliance: sc.InstalledAppliance) -> sc.InstalledAppliance:
+    """The installed appliance configured with two fake engines (each test may run alone)."""
+    return installed_appliance.use_fake_engines()

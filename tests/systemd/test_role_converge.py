@@ -24,23 +24,20 @@ conversion; the engine's first start); the second: about 30 s.
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import shutil
 import socket
-import sys
-import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
+from tests.fakes import ansible_in_container as ai
 from tests.fakes import systemd_container as sc
+from tests.fakes.ansible_in_container import changed_tasks, failed_tasks, recap
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.timeout(1200)]
 
-SRC = "/srv/llm-appliance-src"  # the snapshot of the checkout, inside the container
+SRC = ai.SRC  # the snapshot of the checkout, inside the container
 STATE = "/var/lib/llm-appliance"  # disk-backed (see the module docstring)
 ADMIN_KEY_FILE = "/root/llm-appliance-admin.key"
 CONFIG = "/etc/llm-appliance/config.toml"
@@ -48,21 +45,11 @@ GROUP = "llm-appliance"  # the service group (the role's default)
 COMMAND_LINK = "/usr/local/bin/llm-appliance"  # the role's llm_appliance_command_link
 APPLIANCE_COMMAND = "/opt/llm-appliance/venv/bin/llm-appliance"
 INVENTORY = "/srv/inventory.ini"
-# What ansible-playbook runs on: the controller's python may live under /root (pyenv);
-# that is fine, ansible runs as root outside the unit. Modules run with the system
-# python (automatic discovery would pick a pyenv shim).
-ANSIBLE_PLAYBOOK = Path(sys.executable).parent / "ansible-playbook"
+# Modules run with the system python (automatic discovery would pick a pyenv shim).
 INVENTORY_TEXT = (
     "[llm_appliance]\n"
     "localhost ansible_connection=local ansible_python_interpreter=/usr/bin/python3\n"
 )
-COPIED = ("pyproject.toml", "README.md", "appliance", "systemd", "ansible")
-RECAP = re.compile(
-    r"^localhost\s*:\s*ok=(?P<ok>\d+)\s+changed=(?P<changed>\d+)\s+unreachable=(?P<unreachable>\d+)"
-    r"\s+failed=(?P<failed>\d+)",
-    re.MULTILINE,
-)
-TASK_LINE = re.compile(r"^(?:TASK|RUNNING HANDLER) \[(?P<name>.*?)\]")
 
 _PROBE = """
 import sys, urllib.request, urllib.error
@@ -90,14 +77,9 @@ def converge_box(tmp_path_factory: pytest.TempPathFactory) -> Iterator[sc.System
     reason = sc.unavailable_reason()
     if reason is not None:
         pytest.skip(reason)
-    if not ANSIBLE_PLAYBOOK.exists():
-        pytest.skip(f"no ansible-playbook beside {sys.executable} (pip install ansible-core)")
-    if str(ANSIBLE_PLAYBOOK).startswith("/tmp/"):
-        # nspawn mounts a fresh tmpfs over /tmp inside the container: a controller
-        # venv under /tmp is invisible there (the converge would fail with rc 127).
-        pytest.skip(f"{ANSIBLE_PLAYBOOK} is under /tmp, which the container cannot see")
-    if not Path(sc.SYSTEM_PYTHON).exists():
-        pytest.skip(f"no {sc.SYSTEM_PYTHON}: the role builds its venvs with the system python")
+    reason = ai.unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
     sc.cleanup_stale()
     box = sc.SystemdContainer(
         tmp_path_factory.mktemp("role-converge"), private_network=False, disk_dirs=[STATE]
@@ -117,16 +99,8 @@ def converge_box(tmp_path_factory: pytest.TempPathFactory) -> Iterator[sc.System
 
 
 def copy_checkout(box: sc.SystemdContainer) -> None:
-    """Snapshot the parts of the checkout the role reads into the container."""
-    dest = box.path(SRC)
-    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".ansible", "inventory.ini")
-    for name in COPIED:
-        source = sc.REPO / name
-        if source.is_dir():
-            shutil.copytree(source, dest / name, ignore=ignore)
-        elif source.exists():
-            dest.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(source, dest / name)
+    """Snapshot the checkout into the container, with the inventory."""
+    ai.copy_checkout(box)
     box.write(INVENTORY, INVENTORY_TEXT)
 
 
@@ -134,60 +108,7 @@ def converge(
     box: sc.SystemdContainer, extra_vars: dict[str, object], log: str, timeout: float
 ) -> tuple[int, str, float]:
     """Run site.yml inside the container: (exit status, output, seconds)."""
-    argv = [
-        str(ANSIBLE_PLAYBOOK),
-        "-i",
-        INVENTORY,
-        "site.yml",
-        "-e",
-        json.dumps(extra_vars),
-    ]
-    env = {
-        "HOME": "/root",
-        "ANSIBLE_NOCOLOR": "1",
-        "ANSIBLE_FORCE_COLOR": "0",
-        "ANSIBLE_RETRY_FILES_ENABLED": "0",
-        "PYTHONUNBUFFERED": "1",
-    }
-    started = time.monotonic()
-    # `cd` so that ansible/ansible.cfg (roles_path) applies.
-    r = box.run(
-        ["sh", "-c", f'cd {SRC}/ansible && exec "$@"', "sh", *argv], timeout=timeout, env=env
-    )
-    took = time.monotonic() - started
-    out = r.stdout + ("\n--- stderr ---\n" + r.stderr if r.stderr.strip() else "")
-    (box.log_dir / log).write_text(out)
-    return r.returncode, out, took
-
-
-def recap(out: str) -> dict[str, int]:
-    m = RECAP.search(out)
-    assert m, f"no PLAY RECAP line for localhost in the output:\n{out[-4000:]}"
-    return {k: int(v) for k, v in m.groupdict().items()}
-
-
-def changed_tasks(out: str) -> list[str]:
-    """The tasks (and handlers) that reported a change, in order."""
-    names, task = [], "?"
-    for line in out.splitlines():
-        m = TASK_LINE.match(line)
-        if m:
-            task = m.group("name")
-        elif line.startswith("changed:"):
-            names.append(f"{task}: {line}")
-    return names
-
-
-def failed_tasks(out: str) -> str:
-    """The task headers and failure lines, for a readable assertion message."""
-    lines, task = [], ""
-    for line in out.splitlines():
-        m = TASK_LINE.match(line)
-        if m:
-            task = line
-        elif line.startswith(("fatal:", "failed:")) or "FAILED!" in line:
-            lines += [task, line[:2000]]
-    return "\n".join(lines) or out[-4000:]
+    return ai.playbook(box, "site.yml", INVENTORY, extra_vars, log=log, timeout=timeout)
 
 
 def probe(box: sc.SystemdContainer, url: str, key: str = "") -> int:

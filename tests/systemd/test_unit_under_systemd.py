@@ -24,50 +24,22 @@ from typing import Any
 import pytest
 
 from appliance import paths
-from tests.fakes.appliance_proc import fake_engine_config
 from tests.fakes.systemd_container import (
     CLI,
     ENGINE_PORT_BASE,
     FAKE_ENGINE,
     GATEWAY_PORT,
+    STARTUP_DELAY_S,
     STATE,
     SYSTEM_PYTHON,
     UNIT_NAME,
-    VENV,
     InstalledAppliance,
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
-STARTUP_DELAY_S = 1.5  # each fake engine "loads" this long: READY cannot come earlier
 SECRETS: dict[str, str] = {}  # name -> secret seen by earlier tests, checked in the journal
 ENGINE_KEY = re.compile(r"--api-key[= ](\S+)")
-
-
-def fake_config() -> dict[str, dict[str, Any]]:
-    cfg = fake_engine_config(Path(STATE), 2)
-    cfg["gateway"].update({"port": GATEWAY_PORT, "keys_file": f"{STATE}/keys.json"})
-    cfg["engine"].update(
-        {
-            "port_base": ENGINE_PORT_BASE,
-            "command": [
-                f"{VENV}/bin/python",
-                FAKE_ENGINE,
-                "--uds",
-                "{uds}",
-                "--api-key",
-                "{api_key}",
-                "--served-model-name",
-                "{served_model_name}",
-                "--spawn-child",
-                "--startup-delay",
-                str(STARTUP_DELAY_S),
-                "--token-delay-ms",
-                "5",
-            ],
-        }
-    )
-    return cfg
 
 
 def processes(app: InstalledAppliance) -> list[str]:
@@ -125,17 +97,6 @@ def remember_engine_keys(app: InstalledAppliance) -> None:
 
 
 # --------------------------------------------------------------------------- fake engines
-
-
-@pytest.fixture
-def fake_appliance(installed_appliance: InstalledAppliance) -> InstalledAppliance:
-    """The installed appliance configured with two fake engines (each test may run alone)."""
-    app = installed_appliance
-    if app.facts.get("config") != "fake":
-        app.box.run(["systemctl", "stop", UNIT_NAME], timeout=200)
-        app.write_config(fake_config())
-        app.facts["config"] = "fake"
-    return app
 
 
 def test_start_returns_only_after_ready(fake_appliance: InstalledAppliance) -> None:

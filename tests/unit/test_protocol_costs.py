@@ -44,6 +44,13 @@ COSTS: list[tuple[str, str, dict[str, Any], Cost]] = [
      {"system": "abcd", "max_tokens": 3,
       "messages": [{"role": "user", "content": [{"type": "text", "text": "abcd"}]}]},
      Cost(1 + M + 4 + 3, None, 3)),  # a block's strings: type, text, text, abcd
+    # above the cap (or the context, here the smaller): lowered to it and written, not refused
+    ("messages max_tokens above the context: lowered", "messages",
+     {"messages": [{"role": "user", "content": "abcdefgh"}], "max_tokens": 32000},
+     Cost(CTX, ("max_tokens", CTX), CTX, lowered=True)),
+    ("messages max_tokens at the context: as sent", "messages",
+     {"messages": [{"role": "user", "content": "abcdefgh"}], "max_tokens": CTX},
+     Cost(CTX, None, CTX)),
     ("messages image block", "messages",
      {"max_tokens": 1, "messages": [{"role": "user", "content": [{"type": "image"}]}]},
      Cost(min(M + 1024 + 1, CTX), None, 1)),
@@ -96,14 +103,19 @@ def test_a_body_without_its_input_is_a_400_naming_the_field(
     assert info.value.status == 400 and info.value.param == param
 
 
-@pytest.mark.parametrize(
-    ("route", "field"), [("responses", "max_output_tokens"), ("messages", "max_tokens")]
-)
-def test_an_answer_above_the_cap_is_refused_never_clamped(route: str, field: str) -> None:
-    body = {"input": "x", "messages": [{"role": "user", "content": "x"}], field: 4097}
+def test_a_responses_answer_above_the_cap_is_refused_never_clamped() -> None:
+    body = {"input": "x", "max_output_tokens": 4097}
     with pytest.raises(GatewayError) as info:
-        ROUTES[route].cost(body, LIMITS, CTX)
-    assert info.value.param == field and "4096" in info.value.message
+        ROUTES["responses"].cost(body, LIMITS, 8192)
+    assert info.value.param == "max_output_tokens" and "4096" in info.value.message
+
+
+def test_a_messages_answer_above_the_cap_is_lowered_to_it() -> None:
+    """Claude Code's default 32000 (docs/connect-your-tools.md): the cap is sent instead."""
+    body = {"messages": [{"role": "user", "content": "abcd"}], "max_tokens": 32000}
+    cost = ROUTES["messages"].cost(body, LIMITS, 8192)
+    assert (cost.write, cost.lowered, cost.completion_bound) == (("max_tokens", 4096), True, 4096)
+    assert ROUTES["messages"].cost({**body, "max_tokens": 4096}, LIMITS, 8192).write is None
 
 
 def test_bounds_give_up_on_what_the_gateway_cannot_see() -> None:

@@ -2,10 +2,9 @@
 checks, and the router arguments it writes for an inventory of boxes, read back as
 systemd reads them and parsed by the real vllm-router's own argument parser.
 
-Render-and-lint only: a converge under a real systemd (tests/systemd) would add the
-router install from PyPI and a boot to CI for little more than these checks and the
-unit's own (tests/unit/test_router_unit.py) prove. The whole ansible/ folder, this role
-included, is linted by tests/ansible/test_role_static.py.
+Render-and-lint here; the converge itself, with the router from PyPI running under a
+real systemd, is tests/systemd/test_router_under_systemd.py. The whole ansible/ folder,
+this role included, is linted by tests/ansible/test_role_static.py.
 """
 
 from __future__ import annotations
@@ -39,6 +38,11 @@ box3 ansible_host=2001:db8::3 llm_appliance_router_worker_address=box3.lan
 [llm_appliance_router]
 localhost ansible_connection=local
 """
+# The front host is one of the boxes.
+ONE_HOST = (
+    "[llm_appliance]\nlocalhost ansible_connection=local llm_appliance_gateway_port=8443\n\n"
+    "[llm_appliance_router]\nlocalhost ansible_connection=local\n"
+)
 WORKERS = ["http://192.0.2.10:8080", "https://192.0.2.11:8443", "http://box3.lan:8080"]
 
 
@@ -168,12 +172,19 @@ def _validate(tmp: Path, extra: dict[str, Any], inventory: str = INVENTORY) -> s
 
 
 @pytest.mark.parametrize(
-    "extra",
-    [{}, {"llm_appliance_router_host": "0.0.0.0", "llm_appliance_router_allow_lan": True}],
-    ids=["defaults", "LAN said explicitly"],
+    ("extra", "inventory"),
+    [
+        ({}, INVENTORY),
+        (
+            {"llm_appliance_router_host": "0.0.0.0", "llm_appliance_router_allow_lan": True},
+            INVENTORY,
+        ),
+        ({}, ONE_HOST),
+    ],
+    ids=["defaults", "LAN said explicitly", "front host is a box on another port"],
 )
-def test_good_variables_pass(tmp_path: Path, extra: dict[str, Any]) -> None:
-    out = _validate(tmp_path, extra)
+def test_good_variables_pass(tmp_path: Path, extra: dict[str, Any], inventory: str) -> None:
+    out = _validate(tmp_path, extra, inventory)
     assert out.startswith("ok "), out[-2000:]
 
 
@@ -185,8 +196,16 @@ def test_good_variables_pass(tmp_path: Path, extra: dict[str, Any]) -> None:
         ({"llm_appliance_router_extra_args": ["--x y"]}, INVENTORY, "must be one word"),
         ({}, "[llm_appliance_router]\nlocalhost ansible_connection=local\n", "no boxes"),
         ({"llm_appliance_router_host": "0.0.0.0"}, INVENTORY, "admin routes"),
+        ({"llm_appliance_router_port": 8443}, ONE_HOST, "this host is also a box"),
     ],
-    ids=["policy", "port", "argument with a space", "no boxes", "LAN without allow_lan"],
+    ids=[
+        "policy",
+        "port",
+        "argument with a space",
+        "no boxes",
+        "LAN without allow_lan",
+        "the port of this host's own gateway",
+    ],
 )
 def test_bad_variables_fail_with_the_variable_named(
     tmp_path: Path, extra: dict[str, Any], inventory: str, said: str

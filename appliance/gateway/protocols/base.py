@@ -95,15 +95,16 @@ def require_list_or_text(body: Mapping[str, Any], name: str) -> None:
         raise bad_request(f"'{name}' must be a string or a non-empty list", name)
 
 
-def positive(body: Mapping[str, Any], name: str, limit: int) -> int | None:
-    """A positive integer field at most ``limit``, or None when absent or null; refused,
-    never clamped, above it (a silently shorter answer is worse than a clear no)."""
+def positive(body: Mapping[str, Any], name: str, limit: int | None) -> int | None:
+    """A positive integer field at most ``limit`` (None: any), or None when absent or
+    null; refused, never clamped, above it (a silently shorter answer is worse than a
+    clear no; Messages clamps visibly instead, protocols/messages.py)."""
     value = body.get(name)
     if value is None:
         return None
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise bad_request(f"'{name}' must be a positive integer", name)
-    if value > limit:
+    if limit is not None and value > limit:
         raise bad_request(f"'{name}' = {value} is above this server's limit of {limit}", name)
     return value
 

@@ -6,6 +6,13 @@ What the ``anthropic`` SDK and Claude Code send. The key may come as ``x-api-key
 - **input**: ``messages`` (content a text or blocks: text, images, tool uses and their
   results), ``system`` (a text or text blocks), ``tools``; ``max_tokens`` is required,
   as Anthropic's API requires it (vLLM's model too): a 400 without it, never a cap.
+- **max_tokens above the cap is lowered to it** (``gateway.max_tokens_cap``, or the
+  model's context when smaller), not refused as on the OpenAI routes: Claude Code asks
+  32000 by default and gives up on any 400 but Anthropic's context-limit one, which it
+  retries only when that leaves it 3000 tokens or more (checked in Claude Code
+  2.1.197); the ``anthropic`` SDK retries none. An answer cut there ends with
+  ``stop_reason: "max_tokens"``, as at the client's own limit, and its head carries
+  ``X-Appliance-Max-Tokens`` with the value sent (request_body.py).
 - **counts**: the whole answer's ``usage``; a stream's ``message_start`` carries the
   prompt's count and ``message_delta`` (just before ``message_stop``) the final ones
   (vLLM 0.32 asks its chat stream for usage on every Messages stream: they always come;
@@ -91,9 +98,13 @@ def _prompt_estimate(body: Mapping[str, Any]) -> int:
 
 
 def _cost(body: Mapping[str, Any], limits: GatewayConfig, max_model_len: int) -> Cost:
-    asked = positive(body, "max_tokens", limits.max_tokens_cap) or 0  # required: _check
+    asked = positive(body, "max_tokens", None) or 0  # required: _check
+    most = min(limits.max_tokens_cap, max_model_len)
+    lowered = asked > most
+    sent = most if lowered else asked
     prompt = _prompt_estimate(body)
-    return Cost(min(prompt + asked, max_model_len), None, asked)
+    write = ("max_tokens", sent) if lowered else None
+    return Cost(min(prompt + sent, max_model_len), write, sent, lowered=lowered)
 
 
 def _count_cost(body: Mapping[str, Any], limits: GatewayConfig, max_model_len: int) -> Cost:
