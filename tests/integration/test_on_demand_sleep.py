@@ -24,6 +24,7 @@ from tests.fakes.appliance_proc import (
     STEADY_HEALTH,
     Appliance,
     fake_engine_config,
+    get_json,
     run_appliance,
 )
 from tests.gpu_check.fake_nvml import FAKE_DIR_ENV, default_gpu, write_shim, write_state
@@ -98,8 +99,19 @@ def box(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Box]:
     with run_appliance(tmp, cfg, env) as app:
         app.wait_for(lambda: (tmp / "admin.key").exists(), 120, "the first admin key")
         b = Box(app, (tmp / "admin.key").read_text().strip(), nvml)
-        b.wait(lambda: b.call("GET", "/admin/status")[0] == 200, "the gateway")
+        # admin.key is written before the gateway listens: wait for it to answer first.
+        b.wait(lambda: get_json(app.url + "/healthz")[0] == 200, "the gateway")
         yield b
+
+
+def test_a_box_of_on_demand_models_none_loaded_is_ready(box: Box) -> None:
+    # Nothing runs, yet a request would load its model: /readyz (and /health, which
+    # vllm-router waits on) say 200 and list the models as unloaded.
+    for path in ("/readyz", "/health"):
+        code, body = box.call("GET", path)
+        assert code == 200, (path, body)
+        assert body["models"] == {"a": "unloaded", "b": "unloaded"}, body
+        assert body["engines_admitting"] == [], body
 
 
 def test_a_model_put_to_sleep_frees_its_gpu_memory_and_wakes_on_request(box: Box) -> None:
