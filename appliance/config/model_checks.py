@@ -10,7 +10,7 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from appliance import paths
-from appliance.config import on_demand
+from appliance.config import on_demand, sleep_ram
 from appliance.config.checks import check_engine_keys
 from appliance.config.fields import _show
 from appliance.config.models import ModelConfig, ServedModel, _packaged_ok
@@ -38,6 +38,7 @@ def check_models(cfg: Config, problems: list[str]) -> None:
     _check_gpus(cfg, problems)
     _check_fallbacks(cfg, problems)
     on_demand.check(cfg, problems)
+    sleep_ram.check(cfg, problems)
     for i, (m, served) in enumerate(zip(cfg.models, cfg.served, strict=True)):
         _check_task(i, m, served, problems)
         check_parsers(m.overrides, _label(i, m), problems, embed=served.task == "embed")

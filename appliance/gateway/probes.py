@@ -14,6 +14,7 @@ handlers'.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
@@ -54,8 +55,10 @@ class Probes:
         return web.json_response({"status": "ok"})
 
     async def readyz(self, request: web.Request) -> web.Response:
-        """200 only while some engine can take a new request now and keys can be checked;
-        else 503 and why not. Either way the body says which models are ready or down."""
+        """200 while keys can be checked and a new request can be served: some engine
+        admits it now, or (nothing admitting) every model is an on-demand one put away
+        that its next request loads; else 503 and why not. Either way the body says
+        which models are ready, down or put away."""
         gw = self.gw
         accepting = gw.appliance.accepting
         keys_problem = gw.keys.problem
@@ -66,7 +69,7 @@ class Probes:
         # State files failing to be written (a full disk): which, why, since when, no path
         # (this route has no key); `doctor` reads it. Serving goes on: it is no 503.
         writes = [f for w in gw.state_files() if (f := w.as_json()) is not None]
-        if accepting and admitting and keys_problem is None:
+        if accepting and keys_problem is None and (admitting or loadable(models)):
             return web.json_response(
                 {
                     "status": "ready",
@@ -92,25 +95,44 @@ class Probes:
 
 
 def models_ready(gw: Gateway, admitting: set[int]) -> dict[str, str]:
-    """Each served model: "ready" while one of its engines admits new work, else "down";
-    an on-demand model put away says so ("unloaded", "sleeping", "loading"): it is not
-    down, its next request loads it."""
+    """Each served model's word for /readyz (:func:`model_word`)."""
     engines = gw.appliance.engines()
-    away = {m.name: m.state for m in gw.model_door.models() if m.load == "on_demand"}
-    return {
-        m.name: (
-            "ready"
-            if any(e.id in admitting for e in candidates(m.name, engines))
-            else _put_away(away.get(m.name))
+    door = {m.name: m for m in gw.model_door.models() if m.load == "on_demand"}
+    out: dict[str, str] = {}
+    for m in gw.appliance.config.served:
+        mine = candidates(m.name, engines)
+        od = door.get(m.name)
+        out[m.name] = model_word(
+            any(e.id in admitting for e in mine),
+            [e.state for e in mine],
+            None if od is None else (od.detail or od.state),
         )
-        for m in gw.appliance.config.served
-    }
+    return out
 
 
-def _put_away(state: str | None) -> str:
-    """A model not admitting: "down", unless it is an on-demand one put away (a loaded
-    one that admits nothing is down like any other)."""
-    return "down" if state in (None, "loaded") else str(state)
+PUT_AWAY = frozenset({"unloaded", "sleeping", "loading", "unloading"})
+
+
+def model_word(admits: bool, engines: Sequence[EngineState], on_demand: str | None) -> str:
+    """ "ready" while one of its engines admits new work, else "down"; but an on-demand
+    model put away (``on_demand``: its lifecycle's name, None for an ``always`` model)
+    is not down, its next request loads it: "unloaded", "sleeping", "loading", or
+    "unloading" while a swap or an unload drains it. An on-demand model that is loaded
+    yet admits nothing is down like any other, and so is one whose every engine is
+    FAILED (a request cannot load it: the restart budget is spent)."""
+    if admits:
+        return "ready"
+    if engines and all(s is EngineState.FAILED for s in engines):
+        return "down"
+    word = "unloading" if on_demand == "draining" else on_demand
+    return word if word in PUT_AWAY else "down"
+
+
+def loadable(models: Mapping[str, str]) -> bool:
+    """Nothing admits, yet the box can serve: every model is put away (none down), so
+    a request loads the one it names. A box of on-demand models only, none loaded yet,
+    is ready; one whose always model is down is not, whatever else is put away."""
+    return bool(models) and all(word in PUT_AWAY for word in models.values())
 
 
 def not_admitting(gw: Gateway) -> dict[int, str]:

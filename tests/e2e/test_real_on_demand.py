@@ -83,6 +83,8 @@ def ask(box: RealAppliance, model: str) -> float:
 def test_neither_model_runs_until_asked(box: RealAppliance) -> None:
     assert models(box) == {"one": "unloaded", "two": "unloaded"}
     assert [e["state"] for e in box.status()["engines"]] == ["EXITED", "EXITED"]
+    code, body = get_json(box.url + "/readyz")  # a request would load one: ready
+    assert code == 200 and body["models"] == {"one": "unloaded", "two": "unloaded"}, body
 
 
 def test_two_models_answer_in_turn_on_one_share_of_the_cores(box: RealAppliance) -> None:

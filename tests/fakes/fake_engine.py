@@ -30,6 +30,7 @@ a JSON object, loopback only, no auth; ``GET /fake/stats`` for counters):
     preemptions_per_request added to vllm:num_preemptions_total per request
     fail_requests           inference routes answer 500
     crash                   exit at once (true: code 1, or an int code), child left
+    crash_on_wake           the next POST /wake_up exits (code 1) halfway through its delay
     reset_stats             zero the counters
     allocate_mib            allocate and keep N MiB, every page written (the soak's OOM
                             fault: the kernel's OOM killer must find it under a limit)
@@ -93,6 +94,7 @@ CONTROL_KEYS = {
     "crash",
     "reset_stats",
     "allocate_mib",
+    "crash_on_wake",
 }
 LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
 STREAM_FAULTS = ("json_spaces", "break_before_usage")  # control-only switches, off at start
@@ -795,6 +797,8 @@ class FakeEngine:
             self.preemptions_per_request = int(body["preemptions_per_request"])
         if "fail_requests" in body:
             self.fail_requests = bool(body["fail_requests"])
+        if "crash_on_wake" in body:  # fake_sleep.py: the next /wake_up dies halfway
+            self.sleep_mode.crash_on_wake = bool(body["crash_on_wake"])
         log(f"control: {json.dumps(body, sort_keys=True)}")
         return web.json_response(self.stats())
 

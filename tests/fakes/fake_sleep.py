@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import sys
 from typing import Any
 
 from aiohttp import web
@@ -30,6 +31,7 @@ class SleepMode:
         self.level = 0
         self.sleeps = 0
         self.wakes = 0
+        self.crash_on_wake = False  # POST /fake/control {"crash_on_wake": true}
 
     @staticmethod
     def enabled() -> bool:
@@ -51,6 +53,10 @@ class SleepMode:
 
     async def wake_up(self, request: web.Request) -> web.Response:
         if self.sleeping:
+            if self.crash_on_wake:  # dies while copying the weights back
+                await asyncio.sleep(self.wake_delay_s / 2)
+                print("ERROR fake engine crashing while waking", file=sys.stderr, flush=True)
+                os._exit(1)
             await asyncio.sleep(self.wake_delay_s)  # weights copied back from host RAM
             self._hold(True)
             self.sleeping = False

@@ -24,6 +24,7 @@ from tests.fakes.appliance_proc import (
     STEADY_HEALTH,
     Appliance,
     fake_engine_config,
+    get_json,
     run_appliance,
 )
 from tests.gpu_check.fake_nvml import FAKE_DIR_ENV, default_gpu, write_shim, write_state
@@ -64,9 +65,18 @@ class Box:
     def state(self, model: str) -> str:
         return str({m["name"]: m for m in self.status()["models"]}[model]["state"])
 
-    def engine_state(self, model: str) -> str:
+    def engine(self, model: str) -> dict[str, Any]:
         (e,) = [e for e in self.status()["engines"] if e["model"] == model]
-        return str(e["state"])
+        return dict(e)
+
+    def engine_state(self, model: str) -> str:
+        return str(self.engine(model)["state"])
+
+    def a_loaded_b_asleep(self) -> None:
+        for model in ("b", "a"):
+            code, body = self.chat(model)
+            assert code == 200, body
+        self.wait(lambda: self.state("b") == "sleeping", "b asleep")
 
     def gpu_memory_gib(self) -> float:
         return float(self.status()["gpus"][0]["memory_used_bytes"]) / 2**30
@@ -86,9 +96,12 @@ def box(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Box]:
         2,
         health=STEADY_HEALTH,
         telemetry={"source": "nvml", "interval_s": 0.2},
+        # Heat restarts on (the heat test): 1 s at the hard limit; never restored here.
+        thermal={"heat_restart_after_s": 1, "heat_restore_after_s": 3600},
     )
     cfg["engine"]["device"] = "cuda"
     fake_gpu = [*cfg["engine"]["command"], "--gpu-share", "0.4", "--wake-delay-s", "0.5"]
+    fake_gpu += ["--max-num-batched-tokens", "8192"]  # what a heat restart halves
     on_demand = {"load": "on_demand", "swap": "sleep", "gpus": [0], "min_residency_s": 0}
     cfg["models"] = [
         {"name": "a", **on_demand, "command": fake_gpu},
@@ -98,8 +111,20 @@ def box(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Box]:
     with run_appliance(tmp, cfg, env) as app:
         app.wait_for(lambda: (tmp / "admin.key").exists(), 120, "the first admin key")
         b = Box(app, (tmp / "admin.key").read_text().strip(), nvml)
-        b.wait(lambda: b.call("GET", "/admin/status")[0] == 200, "the gateway")
+        # admin.key is written before the gateway listens: wait for it to answer first.
+        b.wait(lambda: get_json(app.url + "/healthz")[0] == 200, "the gateway")
         yield b
+
+
+def test_a_box_of_on_demand_models_none_loaded_is_ready(box: Box) -> None:
+    # Nothing runs, yet a request would load its model: /readyz (and /health, which
+    # vllm-router waits on) say 200 and list the models as unloaded.
+    box.wait(lambda: get_json(box.app.url + "/readyz")[0] == 200, "/readyz 200 (daemon started)")
+    for path in ("/readyz", "/health"):
+        code, body = box.call("GET", path)
+        assert code == 200, (path, body)
+        assert body["models"] == {"a": "unloaded", "b": "unloaded"}, body
+        assert body["engines_admitting"] == [], body
 
 
 def test_a_model_put_to_sleep_frees_its_gpu_memory_and_wakes_on_request(box: Box) -> None:
@@ -130,3 +155,33 @@ def test_the_sleep_routes_exist_only_on_the_engines_socket(box: Box) -> None:
     for path in ("/sleep", "/wake_up", "/is_sleeping"):
         code, _ = box.call("POST" if path != "/is_sleeping" else "GET", path)
         assert code in (404, 405), path
+
+
+def test_an_engine_that_crashes_while_waking_is_started_again_and_answers(box: Box) -> None:
+    box.a_loaded_b_asleep()
+    box.app.engine_control(box.engine("b")["id"], crash_on_wake=True)
+    code, body = box.chat("b")  # a goes to sleep; b's wake dies halfway; b starts cold
+    assert code == 200 and body["model"] == "b", body
+    assert box.state("b") == "loaded"
+    assert "could not wake" in box.app.log()
+    assert box.engine("b")["state"] == "READY"
+
+
+def test_heat_while_asleep_neither_wakes_nor_restarts_the_engine(box: Box) -> None:
+    box.a_loaded_b_asleep()
+    b = box.engine("b")
+    write_state(box.nvml, [{**default_gpu(0), "temperature_c": 95}])  # the hard limit
+    try:
+        told = f"engine{b['id']}: GPU 0 at the hard limit"
+        box.wait(lambda: told in box.app.log(), "b's engine told of the heat")
+        now = box.engine("b")
+        assert now["state"] == "SLEEPING", now  # asleep: kept for its next load
+        assert (now["pid"], now["restarts"]) == (b["pid"], b["restarts"]), now
+        assert box.state("b") == "sleeping"
+    finally:
+        write_state(box.nvml, [default_gpu(0)])
+    box.wait(lambda: box.engine("a")["throttle_level"] == 0, "GPU 0 cool again")
+    code, body = box.chat("b")  # woken on request as ever
+    assert code == 200 and body["model"] == "b", body
+    # (Restarted with halved batches once woken only while another engine serves: the
+    # last engine serving is never taken out, and on this slot b is the only one.)
