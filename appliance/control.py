@@ -153,6 +153,12 @@ class ApplianceView(Protocol):
     def accepting(self) -> bool: ...
 
     @property
+    def starting(self) -> bool:
+        """Not accepting yet because the daemon is starting (an earlier run's leftover
+        engines are being swept), as opposed to stopping."""
+        ...
+
+    @property
     def last_tick(self) -> float:
         """time.monotonic() of the supervisor loop's last tick (a stalled loop is not alive)."""
         ...

@@ -76,6 +76,8 @@ class Admission:
         config: Callable[[], Config],
         engines: Callable[[], Sequence[EngineView]],
         accepting: Callable[[], bool],
+        *,
+        starting: Callable[[], bool] = lambda: False,
         on_reject: Callable[[str], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -83,6 +85,7 @@ class Admission:
         self._clock = clock
         self._engines = engines
         self._accepting = accepting
+        self._starting = starting
         self._on_reject = on_reject or (lambda reason: None)
         self._inflight: collections.Counter[int] = collections.Counter()
         self._tokens: collections.Counter[int] = collections.Counter()
@@ -153,6 +156,13 @@ class Admission:
         self._on_reject(reason)
         return GatewayError(status, message, code=reason, retry_after=retry_after, reason=reason)
 
+    def _closed(self) -> GatewayError:
+        """The 503 while not accepting: starting (an earlier run's engines still being
+        swept) or shutting down, said as it is."""
+        if self._starting():
+            return self._reject(503, "the server is starting; retry shortly", "starting", 5)
+        return self._reject(503, "the server is shutting down", "shutting_down", 5)
+
     def check_cost(self, cost: int, model: str | None = None) -> None:
         """400 for a request no engine (of ``model``) could ever take, rather than a queue
         timeout."""
@@ -187,7 +197,7 @@ class Admission:
         if load_wait_s is None:
             self._refuse_unless_open(exclude, model)
         elif not self._accepting():
-            raise self._reject(503, "the server is shutting down", "shutting_down", 5)
+            raise self._closed()
         g = self._config().gateway
         if not self._queued_for(model):
             chosen = self._route(cost, session, exclude, model=model)
@@ -241,7 +251,7 @@ class Admission:
         """503 while shutting down, or when no engine of ``model`` (but the excluded) may
         serve soon."""
         if not self._accepting():
-            raise self._reject(503, "the server is shutting down", "shutting_down", 5)
+            raise self._closed()
         if not any(
             s.state in MAY_SERVE_SOON and s.id not in exclude
             for s in candidates(model, self._engines())

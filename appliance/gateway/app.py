@@ -74,6 +74,7 @@ class Gateway:
             lambda: appliance.config,
             appliance.engines,
             lambda: appliance.accepting,
+            starting=lambda: appliance.starting,
             on_reject=lambda reason: self.metrics.rejections.labels(reason).inc(),
         )
         self.metrics.attach(appliance, self.admission)

@@ -79,7 +79,7 @@ class Probes:
                     "state_write_failures": writes,
                 }
             )
-        body: dict[str, Any] = {"status": "stopping"}
+        body: dict[str, Any] = {"status": "starting" if gw.appliance.starting else "stopping"}
         if accepting:
             body["status"] = "keys file unusable" if keys_problem is not None else "not admitting"
             if keys_problem is not None:

@@ -120,6 +120,7 @@ class Supervisor:
         self._fast_stop = False
         self._exit_code = EXIT_OK
         self.accepting = False  # the gateway refuses new requests while False
+        self._started = False  # the start sweep is over (accepting may go False again)
         self.started_at = time.time()
         self.last_tick = time.monotonic()
 
@@ -198,6 +199,10 @@ class Supervisor:
         return self._stopping
 
     @property
+    def starting(self) -> bool:  # the gateway's view (control.ApplianceView)
+        return not self._started and self._stop_task is None and not self._stopping
+
+    @property
     def fast_stop(self) -> bool:
         return self._fast_stop
 
@@ -229,7 +234,7 @@ class Supervisor:
             await leftovers.sweep(
                 self._processes, self._instance, heat.source, lambda: self._stopping
             )
-            self.accepting = True
+            self.accepting = self._started = True
             telemetry = heat.run(self._runners, lambda: self._link, lambda: self._stopping)
             assert self._models is not None
             models = self._models.run(lambda: self._stopping or self._stop_task is not None)

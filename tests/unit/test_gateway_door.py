@@ -50,13 +50,22 @@ class FakeAppliance:
     """The door's members and nothing else (``__slots__``: no attribute may be added or
     read beyond them). Commands answer with what ``_answers`` holds (None: never)."""
 
-    __slots__ = ("_accepting", "_answers", "_asked", "_config", "_cpu_dtype", "_engines")
+    __slots__ = (
+        "_accepting",
+        "_answers",
+        "_asked",
+        "_config",
+        "_cpu_dtype",
+        "_engines",
+        "_starting",
+    )
     __slots__ += ("_gpus", "_last_tick")
 
     def __init__(self, config: Config, engines: list[EngineStatus]) -> None:
         self._config = config
         self._engines = engines
         self._accepting = True
+        self._starting = False
         self._last_tick = time.monotonic()
         self._gpus: tuple[GpuStatus, ...] = ()
         self._cpu_dtype: CpuDtype | None = None
@@ -70,6 +79,10 @@ class FakeAppliance:
     @property
     def accepting(self) -> bool:
         return self._accepting
+
+    @property
+    def starting(self) -> bool:
+        return self._starting
 
     @property
     def last_tick(self) -> float:
@@ -249,6 +262,17 @@ async def test_a_stopping_appliance_refuses_new_work(box: Box) -> None:
     async with box.client.get("/readyz") as resp:
         assert resp.status == 503
         assert (await resp.json())["status"] == "stopping"
+
+
+async def test_a_starting_appliance_says_it_is_starting_not_stopping(box: Box) -> None:
+    # A new daemon sweeps an earlier run's engines before it accepts: that is no shutdown.
+    box.appliance._accepting, box.appliance._starting = False, True
+    status, body = await box.complete()
+    assert (status, body["error"]["code"]) == (503, "starting")
+    assert "starting" in body["error"]["message"]
+    async with box.client.get("/readyz") as resp:
+        assert resp.status == 503 and resp.headers["Retry-After"] == "5"
+        assert (await resp.json())["status"] == "starting"
 
 
 async def test_no_engine_able_to_take_work_is_503_and_readyz_says_why(box: Box) -> None:
