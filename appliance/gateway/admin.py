@@ -27,7 +27,13 @@ from appliance import __version__
 from appliance.audit import Outcome
 from appliance.control import CommandResult, EngineStatus, GpuStatus, ModelResult, ModelStatus
 from appliance.fsutil import NO_SPACE
-from appliance.gateway.admin_adapters import adapter_body, adapter_json, refuse_unless, shown
+from appliance.gateway.admin_adapters import (
+    PATH_SHOWN,
+    adapter_body,
+    adapter_json,
+    refuse_unless,
+    shown,
+)
 from appliance.gateway.errors import GatewayError
 from appliance.gateway.keys import KeyRecord, KeysFileError, KeySpecError, validate_key_id
 
@@ -287,11 +293,11 @@ class Admin:
         model = request.match_info["name"]
         with self._audited(request, "model.adapter.add", f"model:{shown(model)}") as entry:
             name, path = await adapter_body(request)
-            entry.detail |= {"adapter": name, "path": path}
+            entry.detail |= {"adapter": shown(name), "path": shown(path, PATH_SHOWN)}
             result = await asyncio.wait_for(
                 self.gw.model_door.add_adapter(model, name, path), ADAPTER_WAIT_S
             )
-            refuse_unless(result, entry.detail)
+            refuse_unless(result)
         self.gw.admission.kick()
         return web.json_response({"model": model, "adapter": name, "added": True})
 
@@ -303,7 +309,7 @@ class Admin:
             result = await asyncio.wait_for(
                 self.gw.model_door.remove_adapter(model, name), ADAPTER_WAIT_S
             )
-            refuse_unless(result, entry.detail)
+            refuse_unless(result)
         return web.json_response({"model": model, "adapter": name, "removed": True})
 
     async def keys_list(self, request: web.Request) -> web.Response:

@@ -12,9 +12,12 @@ from appliance.control import AdapterResult, AdapterStatus
 from appliance.gateway.errors import GatewayError
 
 
-def shown(name: str) -> str:
-    """A name from a path, as the audit trail records it: bounded."""
-    return name if len(name) <= 64 else name[:61] + "..."
+PATH_SHOWN = 512  # an adapter's folder in the audit trail (one line per action)
+
+
+def shown(name: str, most: int = 64) -> str:
+    """What a client sent, as the audit trail records it: bounded."""
+    return name if len(name) <= most else name[: most - 3] + "..."
 
 
 async def adapter_body(request: web.Request) -> tuple[str, str]:
@@ -36,9 +39,9 @@ async def adapter_body(request: web.Request) -> tuple[str, str]:
     return body["name"], body["path"]
 
 
-def refuse_unless(result: AdapterResult, detail: dict[str, object]) -> None:
+def refuse_unless(result: AdapterResult) -> None:
     if not result.ok:
-        detail["message"] = result.message
+        # The audit records the code, never the message (_audited): it quotes the path.
         retry = 5 if result.status == 503 else None
         raise GatewayError(result.status, result.message, code=result.code, retry_after=retry)
 

@@ -29,8 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from appliance.config import Config, ServedModel
-from appliance.config.lora import AdapterError, adapter_rank
-from appliance.config.models import NAME_RE
+from appliance.config.lora import NAME_RULE, AdapterError, UnsafeAdapter, adapter_rank, good_name
 from appliance.control import AdapterResult, AdapterStatus
 from appliance.fsutil import FileWriteError, atomic_write
 from appliance.supervisor.commands import SyncAdapters
@@ -72,7 +71,7 @@ def read_kept(path: Path, served: Sequence[ServedModel]) -> list[Kept]:
     taken = {n for m in served for n in (*m.names, *(a.name for a in m.adapters))}
     out = []
     for k in kept:
-        if k.model not in models or k.name in taken or not NAME_RE.fullmatch(k.name):
+        if k.model not in models or k.name in taken or not good_name(k.name):
             log.warning("%s: adapter %s (of %s) left out: no longer fits", path, k.name, k.model)
             continue
         taken.add(k.name)
@@ -177,9 +176,8 @@ class AdapterBook:
         """Why the adapter cannot be added (a 4xx), or None."""
         if base is None:
             return AdapterResult(404, "no model has that name", "model_not_found")
-        if not NAME_RE.fullmatch(name):
-            message = "name: must be 1-64 characters of a-z 0-9 . _ -"
-            return AdapterResult(400, message, "invalid_request")
+        if not good_name(name):
+            return AdapterResult(400, f"name: {NAME_RULE}", "invalid_request")
         if self._config().model(name) is not None or name in self._names:
             return AdapterResult(
                 409,
@@ -190,7 +188,8 @@ class AdapterBook:
         try:
             rank = adapter_rank(path)
         except AdapterError as exc:
-            return AdapterResult(400, f"path {path!r}: {exc}", "adapter_invalid")
+            code = "adapter_unsafe" if isinstance(exc, UnsafeAdapter) else "adapter_invalid"
+            return AdapterResult(400, f"path {path!r}: {exc}", code)
         return _rank_problem(base, rank, [r.spec.lora_rank for r in self._mine(base.name)])
 
     def _mine(self, model: str) -> list[EngineRunner]:

@@ -167,6 +167,9 @@ def test_the_gateway_never_relays_the_engines_lora_routes(box: Box) -> None:
         ("plain", "p-sql", "{tmp}/lora/sql", 409, "lora_off"),
         ("nope", "n-sql", "{tmp}/lora/sql", 404, "model_not_found"),
         ("chat", "Bad Name", "{tmp}/lora/sql", 400, "invalid_request"),
+        ("chat", "..", "{tmp}/lora/sql", 400, "invalid_request"),  # no URL can name it
+        ("chat", "sql/x", "{tmp}/lora/sql", 400, "invalid_request"),
+        ("chat", "x", "/tmp/a\u0000b", 400, "adapter_invalid"),
     ],
 )
 def test_an_adapter_that_cannot_be_served_is_refused_clearly(
@@ -179,6 +182,28 @@ def test_an_adapter_that_cannot_be_served_is_refused_clearly(
     assert body["error"]["message"]
     assert box.listed() == listed
     assert box.engine_adapters(0) == {"sql": str(box.tmp / "lora" / "sql")}
+
+
+def test_a_folder_another_account_could_change_is_refused_and_not_loaded(box: Box) -> None:
+    folder = fake_adapter(box.tmp / "lora" / "open")
+    folder.chmod(0o777)  # any account could swap the weights before vLLM reads them
+    code, body = box.add("chat", "open", folder)
+    assert (code, body["error"]["code"]) == (400, "adapter_unsafe"), body
+    assert f"{folder} is writable by every account" in body["error"]["message"]
+    assert f"chmod go-w {folder}" in body["error"]["message"]
+    assert "open" not in box.listed()
+    assert "open" not in box.engine_adapters(0)
+
+
+def test_the_audit_line_of_an_add_is_bounded_and_never_quotes_the_refusal(box: Box) -> None:
+    name, path = "n" * 5000, "/" + "p" * 5000
+    code, body = box.add("chat", name, path)
+    assert (code, body["error"]["code"]) == (400, "invalid_request"), body
+    line = (box.tmp / "audit.log").read_text().splitlines()[-1]
+    entry = json.loads(line)
+    assert entry["action"] == "model.adapter.add" and entry["outcome"] == "refused"
+    assert len(line) < 2000, line
+    assert "message" not in json.dumps(entry)
 
 
 def test_an_adapter_the_engine_cannot_load_is_refused_and_not_kept(box: Box) -> None:
