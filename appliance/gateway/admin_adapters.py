@@ -11,7 +11,6 @@ from aiohttp import web
 from appliance.control import AdapterResult, AdapterStatus
 from appliance.gateway.errors import GatewayError
 
-
 PATH_SHOWN = 512  # an adapter's folder in the audit trail (one line per action)
 
 
