@@ -21,52 +21,34 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
-import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 from appliance.config import Config, ServedModel
 from appliance.config.lora import NAME_RULE, AdapterError, UnsafeAdapter, adapter_rank, good_name
 from appliance.control import AdapterResult, AdapterStatus
-from appliance.fsutil import FileWriteError, atomic_write
+from appliance.fsutil import FileWriteError
+from appliance.supervisor.adapters_file import Kept, KeptFileError, read_file, write_file
 from appliance.supervisor.commands import SyncAdapters
 from appliance.supervisor.runner import EngineRunner
 
 log = logging.getLogger("appliance.supervisor")
 
-ADAPTERS_FILE = "adapters.json"
-FORMAT = 1
 ANSWER_WAIT_S = 120.0  # every engine's load (vLLM reads the weights) answered by then
 
 
-@dataclass(frozen=True)
-class Kept:
-    """An adapter the admin added: its base model (canonical name) and folder."""
-
-    name: str
-    model: str
-    path: str
-
-
-def adapters_path(keys_file: str) -> Path:
-    return Path(keys_file).with_name(ADAPTERS_FILE)
-
-
-def read_kept(path: Path, served: Sequence[ServedModel]) -> list[Kept]:
+def read_kept(path: Path, served: Sequence[ServedModel]) -> tuple[list[Kept], str | None]:
     """The admin's adapters kept in ``path``, those that still fit the config (a base
-    model gone or a name now the config's is left out, said once)."""
+    model gone or a name now the config's is left out, said once); and why the file
+    cannot be used (None: it can), said in the journal."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-        entries = data["adapters"] if data.get("format") == FORMAT else None
-        kept = [Kept(str(e["name"]), str(e["model"]), str(e["path"])) for e in entries or ()]
-    except FileNotFoundError:
-        return []
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        log.error("%s cannot be read (%s): no adapters added at run time are served", path, exc)
-        return []
+        kept, warning = read_file(path)
+    except KeptFileError as exc:
+        log.error("%s: no adapter added at run time is served", exc)
+        return [], str(exc)
+    if warning is not None:
+        log.warning("%s", warning)
     models = {m.name for m in served}
     taken = {n for m in served for n in (*m.names, *(a.name for a in m.adapters))}
     out = []
@@ -76,14 +58,15 @@ def read_kept(path: Path, served: Sequence[ServedModel]) -> list[Kept]:
             continue
         taken.add(k.name)
         out.append(k)
-    return out
+    return out, None
 
 
 class AdapterBook:
     def __init__(self, config: Callable[[], Config], path: Path) -> None:
         self._config = config
         self._path = path
-        self._kept = {k.name: k for k in read_kept(path, config().served)}
+        kept, self._unreadable = read_kept(path, config().served)
+        self._kept = {k.name: k for k in kept}
         self._runners: list[EngineRunner] = []
         self._lock = asyncio.Lock()  # one admin change at a time
         self._names: dict[str, str] = {}
@@ -125,7 +108,7 @@ class AdapterBook:
     async def add(self, model: str, name: str, path: str) -> AdapterResult:
         async with self._lock:
             base = self._config().model(model)
-            refused = self._check_add(base, name, path)
+            refused = self._unusable() or self._check_add(base, name, path)
             if refused is not None:
                 return refused
             assert base is not None
@@ -155,6 +138,8 @@ class AdapterBook:
             if base is None or owner != base.name:
                 what = f"'{model}'" if base is None else f"the model '{base.name}'"
                 return AdapterResult(404, f"{what} has no adapter '{name}'", "adapter_not_found")
+            if (unusable := self._unusable()) is not None:
+                return unusable
             kept = self._kept.pop(name, None)
             if kept is None:
                 return AdapterResult(
@@ -171,6 +156,14 @@ class AdapterBook:
             await self._sync(base.name)
             log.info("adapter %s: removed from %s", name, base.name)
             return AdapterResult(200)
+
+    def _unusable(self) -> AdapterResult | None:
+        """Refused while adapters.json could not be read at start: a change would write
+        over the adapters in it."""
+        if self._unreadable is None:
+            return None
+        message = f"{self._unreadable}, then restart the service; until then"
+        return AdapterResult(503, f"{message} no adapter can be added or removed", "state_file")
 
     def _check_add(self, base: ServedModel | None, name: str, path: str) -> AdapterResult | None:
         """Why the adapter cannot be added (a 4xx), or None."""
@@ -216,10 +209,8 @@ class AdapterBook:
 
     async def _save(self) -> AdapterResult | None:
         """adapters.json written (None), or the 5xx saying why not (nothing changed)."""
-        entries = [{"name": k.name, "model": k.model, "path": k.path} for k in self._kept.values()]
-        data = json.dumps({"format": FORMAT, "saved": time.time(), "adapters": entries}, indent=1)
         try:
-            await asyncio.to_thread(atomic_write, self._path, data.encode() + b"\n")
+            await asyncio.to_thread(write_file, self._path, list(self._kept.values()))
         except (FileWriteError, OSError) as exc:
             log.error("%s could not be written: %s", self._path, exc)
             return AdapterResult(503, f"{self._path} could not be written: {exc}", "state_file")

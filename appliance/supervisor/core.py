@@ -52,7 +52,8 @@ from appliance.engine import EngineSpec, EngineState, instance_id, lineage_env
 from appliance.errors import EXIT_NO_ENGINE, EXIT_OK
 from appliance.plan import EnginePlan
 from appliance.supervisor import leftovers, stopping
-from appliance.supervisor.adapters import AdapterBook, adapters_path
+from appliance.supervisor.adapters import AdapterBook
+from appliance.supervisor.adapters_file import adapters_path
 from appliance.supervisor.boot import SocketDir, gpu_count, make_plan, open_telemetry
 from appliance.supervisor.commands import CheckNow, Drain, Nudge, Restart, Resume
 from appliance.supervisor.coordination import RestartCoordinator

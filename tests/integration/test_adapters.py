@@ -293,3 +293,22 @@ def test_an_adapter_added_at_run_time_is_served_after_the_daemon_restarts(
         code, body = box.chat("kept")
         assert (code, body["model"]) == (200, "kept"), body
         assert box.engine_adapters(0)["kept"] == str(folder)
+
+
+def test_an_adapters_file_that_cannot_be_read_is_never_written_over(tmp_path: Path) -> None:
+    cfg = lora_config(tmp_path)
+    cfg["models"] = cfg["models"][:1]
+    cfg["engine"]["cpu_engines"] = 1
+    kept = tmp_path / "adapters.json"
+    kept.write_text('{"format": 1, "adapters": [{"name": "mine", "model": "chat"}]}')
+    kept.chmod(0o600)
+    before = kept.read_bytes()
+    with run_appliance(tmp_path, cfg) as app:
+        app.wait_ready()
+        box = Box(app, (tmp_path / "admin.key").read_text().strip(), tmp_path)
+        code, body = box.add("chat", "new", fake_adapter(tmp_path / "lora" / "new"))
+        assert (code, body["error"]["code"]) == (503, "state_file"), body
+        assert f"{kept} is not an adapters file" in body["error"]["message"]
+        assert "restart the service" in body["error"]["message"]
+        assert box.chat("sql")[0] == 200  # the config's adapters serve on
+    assert kept.read_bytes() == before
