@@ -41,7 +41,9 @@ if TYPE_CHECKING:
     from appliance.gateway.app import Gateway
 
 COMMAND_WAIT_S = 10.0  # longest an admin request waits for an engine's runner to answer
-ADAPTER_WAIT_S = 150.0  # an adapter's add waits for every engine's load (adapters.py: 120 s)
+# An adapter's add waits for every engine's load (adapters.py: 120 s), a remove also for
+# the requests queued for it (at most 65 s more).
+ADAPTER_WAIT_S = 200.0
 _ENGINE_ID_RE = re.compile(r"[0-9]+")  # ASCII only: str.isdigit() takes "²" and "١"
 KEY_FIELDS = frozenset({"name", "scopes", "rpm", "tpm", "priority", "expires_days", "fallback"})
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
@@ -36,6 +37,10 @@ from appliance.supervisor.runner import EngineRunner
 log = logging.getLogger("appliance.supervisor")
 
 ANSWER_WAIT_S = 120.0  # every engine's load (vLLM reads the weights) answered by then
+# A removal waits for requests still queued for the adapter (see AdapterBook._settle).
+SETTLE_MAX_S = 60.0
+SETTLE_MARGIN_S = 5.0
+SETTLE_POLL_S = 0.05
 
 
 def read_kept(path: Path, served: Sequence[ServedModel]) -> tuple[list[Kept], str | None]:
@@ -62,9 +67,16 @@ def read_kept(path: Path, served: Sequence[ServedModel]) -> tuple[list[Kept], st
 
 
 class AdapterBook:
-    def __init__(self, config: Callable[[], Config], path: Path) -> None:
+    def __init__(
+        self,
+        config: Callable[[], Config],
+        path: Path,
+        busy: Callable[[str], int] = lambda name: 0,
+    ) -> None:
+        """``busy``: the gateway's requests for an adapter name not yet answered."""
         self._config = config
         self._path = path
+        self._busy = busy
         kept, self._unreadable = read_kept(path, config().served)
         self._kept = {k.name: k for k in kept}
         self._runners: list[EngineRunner] = []
@@ -112,22 +124,16 @@ class AdapterBook:
             if refused is not None:
                 return refused
             assert base is not None
-            self._kept[name] = Kept(name, base.name, path)
-            self._index()
+            self._kept[name] = Kept(name, base.name, path)  # wanted: the engines load it
             errors = await self._sync(base.name)
-            if name in errors:
+            failed = errors.get(name)
+            saved = None if failed is not None else await self._save()
+            if failed is not None or saved is not None:
                 del self._kept[name]
-                self._index()
                 await self._sync(base.name)  # taken back where it did load
-                return AdapterResult(
-                    400, f"the engine could not load it: {errors[name]}", "adapter_invalid"
-                )
-            saved = await self._save()
-            if saved is not None:
-                del self._kept[name]
-                self._index()
-                await self._sync(base.name)
-                return saved
+                message = f"the engine could not load it: {failed}"
+                return saved or AdapterResult(400, message, "adapter_invalid")
+            self._index()  # routed only now: each engine serves it
             log.info("adapter %s: added to %s from %s", name, base.name, path)
             return AdapterResult(200)
 
@@ -152,10 +158,24 @@ class AdapterBook:
             if saved is not None:
                 self._kept[name] = kept
                 return saved
-            self._index()
+            self._index()  # no new request is routed to it
+            await self._settle(name)
             await self._sync(base.name)
             log.info("adapter %s: removed from %s", name, base.name)
             return AdapterResult(200)
+
+    async def _settle(self, name: str) -> None:
+        """Wait for the gateway's requests for ``name`` to end, so that one admitted
+        before the removal never reaches an engine after it (vLLM would answer 404 in its
+        own words). Bounded by the time a request may wait in the queue: past it, those
+        left are streaming, and vLLM 0.32's unload only forgets the name, it lets a
+        running request finish (entrypoints/openai/models/serving.py)."""
+        bound = min(self._config().gateway.queue_timeout_s, SETTLE_MAX_S) + SETTLE_MARGIN_S
+        deadline = time.monotonic() + bound
+        while time.monotonic() < deadline:  # polled, as stopping.drain polls in_flight
+            if not self._busy(name):
+                return
+            await asyncio.sleep(SETTLE_POLL_S)
 
     def _unusable(self) -> AdapterResult | None:
         """Refused while adapters.json could not be read at start: a change would write

@@ -111,7 +111,11 @@ class Supervisor:
         self._heat: HeatWatch | None = None
         self._models: ModelsOnDemand | None = None  # each model's load state
         # LoRA adapters: the config's and the admin's (kept beside the keys file).
-        self._adapters = AdapterBook(lambda: self.config, adapters_path(config.gateway.keys_file))
+        self._adapters = AdapterBook(
+            lambda: self.config,
+            adapters_path(config.gateway.keys_file),
+            lambda name: self._link.adapter_requests(name),
+        )
         self._sockets = SocketDir()
         self.coordinator = RestartCoordinator(lambda: ((r.id, r.state) for r in self._runners))
         self._tasks = SupervisorTasks()

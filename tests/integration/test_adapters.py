@@ -14,6 +14,7 @@ import json
 import re
 import signal
 import stat
+import threading
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -72,6 +73,17 @@ class Box:
         stats = self.app.engine_stats(engine)
         assert stats is not None
         return dict(stats["adapters"])
+
+    def requests_in_flight(self, engine: int) -> int:
+        code, status = self.call("GET", "/admin/status")
+        assert code == 200, status
+        return int(status["engines"][engine]["inflight"])
+
+    def queued(self) -> float:
+        code, text = self.call("GET", "/metrics")
+        assert code == 200
+        lines = [x for x in str(text).splitlines() if x.startswith("appliance_queue_depth ")]
+        return float(lines[0].rsplit(" ", 1)[1]) if lines else 0.0
 
     def requests_for(self, model: str) -> float:
         code, text = self.call("GET", "/metrics")
@@ -312,3 +324,49 @@ def test_an_adapters_file_that_cannot_be_read_is_never_written_over(tmp_path: Pa
         assert "restart the service" in body["error"]["message"]
         assert box.chat("sql")[0] == 200  # the config's adapters serve on
     assert kept.read_bytes() == before
+
+
+def test_requests_for_an_adapter_the_admin_removes_finish_and_are_not_cut(
+    tmp_path: Path,
+) -> None:
+    # One request at a time on a slow engine: one streams on the adapter, one waits in
+    # the gateway's queue for it, and the admin removes the adapter meanwhile.
+    cfg = lora_config(tmp_path)
+    chat = cfg["models"][0]
+    chat["command"] = [*chat["command"], "--token-delay-ms", "40"]
+    chat["max_inflight"] = 1
+    cfg["models"] = [chat]
+    with run_appliance(tmp_path, cfg) as app:
+        app.wait_ready()
+        box = Box(app, (tmp_path / "admin.key").read_text().strip(), tmp_path)
+        assert box.add("chat", "busy", fake_adapter(tmp_path / "lora" / "busy"))[0] == 200
+        answers: dict[str, Any] = {}
+
+        def ask(what: str, body: dict[str, Any], path: str = "/v1/chat/completions") -> None:
+            answers[what] = box.call("POST", path, body)
+
+        stream = {"model": "busy", "messages": MSGS, "max_tokens": 40, "stream": True}
+        waiting = {"model": "busy", "messages": MSGS, "max_tokens": 2}
+        threads = [threading.Thread(target=ask, args=("stream", stream))]
+        threads[0].start()
+        app.wait_for(lambda: box.requests_in_flight(0) == 1, 30, "the stream on the engine")
+        threads.append(threading.Thread(target=ask, args=("waiting", waiting)))
+        threads[1].start()
+        app.wait_for(lambda: box.queued() == 1, 30, "the second request queued")
+        remove = threading.Thread(
+            target=lambda: answers.update(
+                removed=box.call("DELETE", "/admin/models/chat/adapters/busy")
+            )
+        )
+        remove.start()
+        for t in (*threads, remove):
+            t.join(60)
+        code, text = answers["stream"]
+        assert code == 200 and str(text).rstrip().endswith("data: [DONE]"), text
+        assert str(text).count('"content"') >= 40
+        code, body = answers["waiting"]
+        assert (code, body["model"]) == (200, "busy"), body  # not vLLM's 404
+        assert answers["removed"][0] == 200
+        assert "busy" not in box.engine_adapters(0)
+        code, body = box.chat("busy")
+        assert (code, body["error"]["code"]) == (404, "model_not_found")
