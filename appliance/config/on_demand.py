@@ -85,7 +85,8 @@ KEY_DOCS: Mapping[str, tuple[str, str, str]] = {
         "a list of tables",
         '[{ name = "sql", path = "/srv/lora/sql" }]: LoRA adapters, each a folder with '
         "adapter_config.json (its rank read from it), served as a model name of its own "
-        "on the model's engines (vLLM --enable-lora); the admin adds more at run time.",
+        "on the model's engines (vLLM --enable-lora); the admin adds more at run time. "
+        "Only root and the service account may be able to change the folder (security.md).",
     ),
 }
 

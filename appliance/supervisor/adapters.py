@@ -200,9 +200,10 @@ class AdapterBook:
             )
         try:
             rank = adapter_rank(path)
+        except UnsafeAdapter as exc:
+            return AdapterResult(400, f"path {path!r}: {exc}", "adapter_unsafe")
         except AdapterError as exc:
-            code = "adapter_unsafe" if isinstance(exc, UnsafeAdapter) else "adapter_invalid"
-            return AdapterResult(400, f"path {path!r}: {exc}", code)
+            return AdapterResult(400, f"path {path!r}: {exc}", "adapter_invalid")
         return _rank_problem(base, rank, [r.spec.lora_rank for r in self._mine(base.name)])
 
     def _mine(self, model: str) -> list[EngineRunner]:
