@@ -31,6 +31,7 @@ from appliance.gateway.admin_adapters import (
     PATH_SHOWN,
     adapter_body,
     adapter_json,
+    json_object,
     refuse_unless,
     shown,
 )
@@ -325,19 +326,7 @@ class Admin:
         return web.json_response({"key": secret, **record.public_dict()}, status=201)
 
     async def _create_key(self, request: web.Request) -> tuple[KeyRecord, str]:
-        try:
-            body = await request.json()
-        except (ValueError, RecursionError):
-            raise GatewayError(400, "the request body is not valid JSON") from None
-        if not isinstance(body, dict):
-            raise GatewayError(400, "the request body must be a JSON object")
-        unknown = sorted(set(body) - KEY_FIELDS)
-        if unknown:
-            raise GatewayError(
-                400,
-                f"unknown field(s) {unknown}; allowed: {sorted(KEY_FIELDS)}",
-                param=unknown[0],
-            )
+        body = await json_object(request, KEY_FIELDS)
         name: Any = body.get("name")  # validated (with a message naming it) by create()
         try:
             record, secret = await asyncio.to_thread(

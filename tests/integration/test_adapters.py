@@ -15,8 +15,6 @@ import re
 import signal
 import stat
 import threading
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +22,7 @@ from typing import Any
 import pytest
 
 from tests.fakes.appliance_proc import STEADY_HEALTH, Appliance, fake_engine_config, run_appliance
+from tests.fakes.http_json import call_json
 from tests.fakes.lora_files import fake_adapter
 
 pytestmark = pytest.mark.slow
@@ -37,23 +36,7 @@ class Box:
         self.app, self.key, self.tmp = app, key, tmp
 
     def call(self, method: str, path: str, body: dict[str, Any] | None = None) -> tuple[int, Any]:
-        data = json.dumps(body).encode() if body is not None else None
-        req = urllib.request.Request(
-            self.app.url + path,
-            data=data,
-            method=method,
-            headers={"Authorization": f"Bearer {self.key}", "Content-Type": "application/json"},
-        )
-        try:
-            with urllib.request.urlopen(req, timeout=60) as r:
-                raw = r.read()
-                status = r.status
-        except urllib.error.HTTPError as e:
-            raw, status = e.read(), e.code
-        try:
-            return status, json.loads(raw or b"null")
-        except ValueError:
-            return status, raw.decode(errors="replace")
+        return call_json(self.app.url, self.key, method, path, body)
 
     def chat(self, model: str) -> tuple[int, Any]:
         body = {"model": model, "messages": MSGS, "max_tokens": 2}
