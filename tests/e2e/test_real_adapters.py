@@ -77,7 +77,8 @@ def test_the_configs_adapter_answers_under_its_own_name(box: RealAppliance) -> N
     assert listed == {"chat": None, "sql": "chat"}
     print(f"\n[e2e] sql says: {ask(box, 'sql')!r}; chat says: {ask(box, 'chat')!r}")
     lines = [" ".join(p.cmdline()) for p in box.processes()]
-    assert any("--enable-lora" in c and "--lora-modules sql=" in c for c in lines), lines
+    module = '--lora-modules {"name": "sql", "path": '  # vLLM's JSON form (lora.py)
+    assert any("--enable-lora" in c and module in c for c in lines), lines
 
 
 def test_an_admin_adds_an_adapter_at_run_time_and_it_answers(box: RealAppliance) -> None:
