@@ -290,6 +290,10 @@ class GatewayLink(Protocol):
     """What the supervisor tells the gateway and asks of it (implemented by the gateway)."""
 
     def inflight(self, engine_id: int) -> int: ...
+    def adapter_requests(self, name: str) -> int:
+        """Requests for the LoRA adapter ``name`` not yet answered (queued or running)."""
+        ...
+
     def observe_kv(self, engine_id: int, usage: float | None) -> None: ...
     def kv_tripped(self, engine_id: int) -> bool: ...
     def set_throttle(self, engine_id: int, level: int) -> None: ...
@@ -311,6 +315,9 @@ class NoGateway:
     """The link before a gateway is connected (and for a supervisor run without one)."""
 
     def inflight(self, engine_id: int) -> int:
+        return 0
+
+    def adapter_requests(self, name: str) -> int:
         return 0
 
     def observe_kv(self, engine_id: int, usage: float | None) -> None:

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SYSTEM_HOME = Path("/var/lib/llm-appliance")
+# The account the Ansible role creates and systemd/llm-appliance.service runs as.
+SERVICE_USER = "llm-appliance"
 SETUP_MARKER = "setup.json"
 ENGINE_VENV_DIR = "engine-venv"
 PACKAGED_MODEL_DIR = Path("models") / "SmolLM2-135M-Instruct"

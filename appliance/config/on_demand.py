@@ -18,7 +18,13 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from appliance.config.fields import _show
 from appliance.config.lora import ADAPTER_CONFIG as ADAPTER_CONFIG  # tests, ansible
-from appliance.config.lora import MAX_LORA_RANKS, AdapterError, adapter_rank
+from appliance.config.lora import (
+    MAX_LORA_RANKS,
+    NAME_RULE,
+    AdapterError,
+    adapter_rank,
+    good_name,
+)
 
 if TYPE_CHECKING:
     from appliance.config.document import Config
@@ -79,7 +85,8 @@ KEY_DOCS: Mapping[str, tuple[str, str, str]] = {
         "a list of tables",
         '[{ name = "sql", path = "/srv/lora/sql" }]: LoRA adapters, each a folder with '
         "adapter_config.json (its rank read from it), served as a model name of its own "
-        "on the model's engines (vLLM --enable-lora); the admin adds more at run time.",
+        "on the model's engines (vLLM --enable-lora); the admin adds more at run time. "
+        "Only root and the service account may be able to change the folder (security.md).",
     ),
 }
 
@@ -111,8 +118,6 @@ def parse_key(path: str, key: str, value: Any, out: dict[str, Any], problems: li
 
 
 def _parse_adapters(path: str, value: Any, out: dict[str, Any], problems: list[str]) -> bool:
-    from appliance.config.models import NAME_RE  # models imports this module
-
     if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
         problems.append(f"{path} = {_show(value)}: must be a list of {{ name, path }} tables")
         return False
@@ -123,10 +128,8 @@ def _parse_adapters(path: str, value: Any, out: dict[str, Any], problems: list[s
         if extra:
             problems.append(f"{path}[{j}].{extra[0]}: unknown key; an adapter has name and path")
             return False
-        if not isinstance(name, str) or not NAME_RE.fullmatch(name):
-            problems.append(
-                f"{path}[{j}].name = {_show(name)}: must be 1-64 characters of a-z 0-9 . _ -"
-            )
+        if not isinstance(name, str) or not good_name(name):
+            problems.append(f"{path}[{j}].name = {_show(name)}: {NAME_RULE}")
             return False
         if not isinstance(folder, str) or not folder:
             problems.append(f"{path}[{j}].path = {_show(folder)}: must be the adapter's folder")

@@ -9,11 +9,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from appliance import paths
+
 Status = Literal["ok", "fail", "na"]
 SYMBOLS: dict[Status, str] = {"ok": "✓", "fail": "✗", "na": "–"}
 
-# The account the Ansible role creates and systemd/llm-appliance.service runs as.
-DEFAULT_SERVICE_USER = "llm-appliance"
+DEFAULT_SERVICE_USER = paths.SERVICE_USER
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,14 @@ from appliance import __version__
 from appliance.audit import Outcome
 from appliance.control import CommandResult, EngineStatus, GpuStatus, ModelResult, ModelStatus
 from appliance.fsutil import NO_SPACE
-from appliance.gateway.admin_adapters import adapter_body, adapter_json, refuse_unless, shown
+from appliance.gateway.admin_adapters import (
+    PATH_SHOWN,
+    adapter_body,
+    adapter_json,
+    json_object,
+    refuse_unless,
+    shown,
+)
 from appliance.gateway.errors import GatewayError
 from appliance.gateway.keys import KeyRecord, KeysFileError, KeySpecError, validate_key_id
 
@@ -35,7 +42,9 @@ if TYPE_CHECKING:
     from appliance.gateway.app import Gateway
 
 COMMAND_WAIT_S = 10.0  # longest an admin request waits for an engine's runner to answer
-ADAPTER_WAIT_S = 150.0  # an adapter's add waits for every engine's load (adapters.py: 120 s)
+# An adapter's add waits for every engine's load (adapters.py: 120 s), a remove also for
+# the requests queued for it (at most 65 s more).
+ADAPTER_WAIT_S = 200.0
 _ENGINE_ID_RE = re.compile(r"[0-9]+")  # ASCII only: str.isdigit() takes "²" and "١"
 KEY_FIELDS = frozenset({"name", "scopes", "rpm", "tpm", "priority", "expires_days", "fallback"})
 
@@ -287,11 +296,11 @@ class Admin:
         model = request.match_info["name"]
         with self._audited(request, "model.adapter.add", f"model:{shown(model)}") as entry:
             name, path = await adapter_body(request)
-            entry.detail |= {"adapter": name, "path": path}
+            entry.detail |= {"adapter": shown(name), "path": shown(path, PATH_SHOWN)}
             result = await asyncio.wait_for(
                 self.gw.model_door.add_adapter(model, name, path), ADAPTER_WAIT_S
             )
-            refuse_unless(result, entry.detail)
+            refuse_unless(result)
         self.gw.admission.kick()
         return web.json_response({"model": model, "adapter": name, "added": True})
 
@@ -303,7 +312,7 @@ class Admin:
             result = await asyncio.wait_for(
                 self.gw.model_door.remove_adapter(model, name), ADAPTER_WAIT_S
             )
-            refuse_unless(result, entry.detail)
+            refuse_unless(result)
         return web.json_response({"model": model, "adapter": name, "removed": True})
 
     async def keys_list(self, request: web.Request) -> web.Response:
@@ -317,19 +326,7 @@ class Admin:
         return web.json_response({"key": secret, **record.public_dict()}, status=201)
 
     async def _create_key(self, request: web.Request) -> tuple[KeyRecord, str]:
-        try:
-            body = await request.json()
-        except (ValueError, RecursionError):
-            raise GatewayError(400, "the request body is not valid JSON") from None
-        if not isinstance(body, dict):
-            raise GatewayError(400, "the request body must be a JSON object")
-        unknown = sorted(set(body) - KEY_FIELDS)
-        if unknown:
-            raise GatewayError(
-                400,
-                f"unknown field(s) {unknown}; allowed: {sorted(KEY_FIELDS)}",
-                param=unknown[0],
-            )
+        body = await json_object(request, KEY_FIELDS)
         name: Any = body.get("name")  # validated (with a message naming it) by create()
         try:
             record, secret = await asyncio.to_thread(

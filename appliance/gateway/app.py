@@ -24,6 +24,7 @@ from appliance.control import Appliance, ModelDoor, NoModels
 from appliance.endpoint import EngineAddress
 from appliance.engine import EngineState
 from appliance.errors import ApplianceError
+from appliance.gateway.adapter_work import AdapterWork
 from appliance.gateway.admin import Admin
 from appliance.gateway.admission import Admission
 from appliance.gateway.engine_owners import EngineOwners
@@ -87,6 +88,7 @@ class Gateway:
         self.owners = EngineOwners(appliance, self.admission)
         self.upstreams = UpstreamPool(self.owners.owner_of)  # streamed requests' connections
         self.relay = Relay(self)
+        self.adapter_work = AdapterWork()  # requests per LoRA adapter (its removal waits)
         # Models on demand: the supervisor's side of it, or none (unit tests' fakes).
         self.model_door: ModelDoor = appliance if isinstance(appliance, ModelDoor) else NoModels()
         self.metrics.registry.register(ModelCollector(self.model_door))
@@ -94,6 +96,9 @@ class Gateway:
     # ---- GatewayLink (called by the supervisor) ----------------------------------------
     def inflight(self, engine_id: int) -> int:
         return self.admission.inflight(engine_id)
+
+    def adapter_requests(self, name: str) -> int:
+        return self.adapter_work.count(name)
 
     def observe_kv(self, engine_id: int, usage: float | None) -> None:
         self.admission.observe_kv(engine_id, usage)

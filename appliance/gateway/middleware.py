@@ -177,6 +177,7 @@ async def gateway_middleware(request: web.Request, handler: Any) -> web.StreamRe
             shape=shape_of_path(request.path),
         )
     finally:
+        gw.adapter_work.end(request)  # a request for a LoRA adapter: counted no more
         # The model label is a configured name once the relay resolved one, else "".
         model = request.get("model", UNKNOWN_MODEL)
         gw.metrics.answered(route, status, model, started)

@@ -217,15 +217,14 @@ class Relay:
         """The checked request, costed on the engines of the model it names (404 for no
         such model, 400 for a route the model does not serve), and that model's fallback
         ("": none)."""
-        raw = await read_body(request)
-        opened = open_body(route, raw)
-        config = self.gw.appliance.config
+        opened, config = open_body(route, await read_body(request)), self.gw.appliance.config
         served, sent = resolve_named(
             config, opened.model, route, self.gw.model_door.adapter_names()
         )
         name = served.name  # whose engines serve it (an adapter's: its base model's)
-        # The metrics' label: a configured name (an adapter's own), never the client's.
-        request["model"] = sent
+        if sent != name:  # an adapter: its removal waits for this request (adapter_work)
+            self.gw.adapter_work.begin(request, sent)
+        request["model"] = sent  # the metrics' label: a configured name, never the client's
         refused = tools_refusal(
             ROUTES[route].calls_tools, opened.fields, served, bool(config.models)
         )

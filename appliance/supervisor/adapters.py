@@ -21,70 +21,64 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 from appliance.config import Config, ServedModel
-from appliance.config.lora import AdapterError, adapter_rank
-from appliance.config.models import NAME_RE
+from appliance.config.lora import NAME_RULE, AdapterError, UnsafeAdapter, adapter_rank, good_name
 from appliance.control import AdapterResult, AdapterStatus
-from appliance.fsutil import FileWriteError, atomic_write
+from appliance.fsutil import FileWriteError
+from appliance.supervisor.adapters_file import Kept, KeptFileError, read_file, write_file
 from appliance.supervisor.commands import SyncAdapters
 from appliance.supervisor.runner import EngineRunner
 
 log = logging.getLogger("appliance.supervisor")
 
-ADAPTERS_FILE = "adapters.json"
-FORMAT = 1
 ANSWER_WAIT_S = 120.0  # every engine's load (vLLM reads the weights) answered by then
+# A removal waits for requests still queued for the adapter (see AdapterBook._settle).
+SETTLE_MAX_S = 60.0
+SETTLE_MARGIN_S = 5.0
+SETTLE_POLL_S = 0.05
 
 
-@dataclass(frozen=True)
-class Kept:
-    """An adapter the admin added: its base model (canonical name) and folder."""
-
-    name: str
-    model: str
-    path: str
-
-
-def adapters_path(keys_file: str) -> Path:
-    return Path(keys_file).with_name(ADAPTERS_FILE)
-
-
-def read_kept(path: Path, served: Sequence[ServedModel]) -> list[Kept]:
+def read_kept(path: Path, served: Sequence[ServedModel]) -> tuple[list[Kept], str | None]:
     """The admin's adapters kept in ``path``, those that still fit the config (a base
-    model gone or a name now the config's is left out, said once)."""
+    model gone or a name now the config's is left out, said once); and why the file
+    cannot be used (None: it can), said in the journal."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-        entries = data["adapters"] if data.get("format") == FORMAT else None
-        kept = [Kept(str(e["name"]), str(e["model"]), str(e["path"])) for e in entries or ()]
-    except FileNotFoundError:
-        return []
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        log.error("%s cannot be read (%s): no adapters added at run time are served", path, exc)
-        return []
+        kept, warning = read_file(path)
+    except KeptFileError as exc:
+        log.error("%s: no adapter added at run time is served", exc)
+        return [], str(exc)
+    if warning is not None:
+        log.warning("%s", warning)
     models = {m.name for m in served}
     taken = {n for m in served for n in (*m.names, *(a.name for a in m.adapters))}
     out = []
     for k in kept:
-        if k.model not in models or k.name in taken or not NAME_RE.fullmatch(k.name):
+        if k.model not in models or k.name in taken or not good_name(k.name):
             log.warning("%s: adapter %s (of %s) left out: no longer fits", path, k.name, k.model)
             continue
         taken.add(k.name)
         out.append(k)
-    return out
+    return out, None
 
 
 class AdapterBook:
-    def __init__(self, config: Callable[[], Config], path: Path) -> None:
+    def __init__(
+        self,
+        config: Callable[[], Config],
+        path: Path,
+        busy: Callable[[str], int] = lambda name: 0,
+    ) -> None:
+        """``busy``: the gateway's requests for an adapter name not yet answered."""
         self._config = config
         self._path = path
-        self._kept = {k.name: k for k in read_kept(path, config().served)}
+        self._busy = busy
+        kept, self._unreadable = read_kept(path, config().served)
+        self._kept = {k.name: k for k in kept}
         self._runners: list[EngineRunner] = []
         self._lock = asyncio.Lock()  # one admin change at a time
         self._names: dict[str, str] = {}
@@ -126,26 +120,20 @@ class AdapterBook:
     async def add(self, model: str, name: str, path: str) -> AdapterResult:
         async with self._lock:
             base = self._config().model(model)
-            refused = self._check_add(base, name, path)
+            refused = self._unusable() or self._check_add(base, name, path)
             if refused is not None:
                 return refused
             assert base is not None
-            self._kept[name] = Kept(name, base.name, path)
-            self._index()
+            self._kept[name] = Kept(name, base.name, path)  # wanted: the engines load it
             errors = await self._sync(base.name)
-            if name in errors:
+            failed = errors.get(name)
+            saved = None if failed is not None else await self._save()
+            if failed is not None or saved is not None:
                 del self._kept[name]
-                self._index()
                 await self._sync(base.name)  # taken back where it did load
-                return AdapterResult(
-                    400, f"the engine could not load it: {errors[name]}", "adapter_invalid"
-                )
-            saved = await self._save()
-            if saved is not None:
-                del self._kept[name]
-                self._index()
-                await self._sync(base.name)
-                return saved
+                message = f"the engine could not load it: {failed}"
+                return saved or AdapterResult(400, message, "adapter_invalid")
+            self._index()  # routed only now: each engine serves it
             log.info("adapter %s: added to %s from %s", name, base.name, path)
             return AdapterResult(200)
 
@@ -156,6 +144,8 @@ class AdapterBook:
             if base is None or owner != base.name:
                 what = f"'{model}'" if base is None else f"the model '{base.name}'"
                 return AdapterResult(404, f"{what} has no adapter '{name}'", "adapter_not_found")
+            if (unusable := self._unusable()) is not None:
+                return unusable
             kept = self._kept.pop(name, None)
             if kept is None:
                 return AdapterResult(
@@ -168,18 +158,39 @@ class AdapterBook:
             if saved is not None:
                 self._kept[name] = kept
                 return saved
-            self._index()
+            self._index()  # no new request is routed to it
+            await self._settle(name)
             await self._sync(base.name)
             log.info("adapter %s: removed from %s", name, base.name)
             return AdapterResult(200)
+
+    async def _settle(self, name: str) -> None:
+        """Wait for the gateway's requests for ``name`` to end, so that one admitted
+        before the removal never reaches an engine after it (vLLM would answer 404 in its
+        own words). Bounded by the time a request may wait in the queue: past it, those
+        left are streaming, and vLLM 0.32's unload only forgets the name, it lets a
+        running request finish (entrypoints/openai/models/serving.py)."""
+        bound = min(self._config().gateway.queue_timeout_s, SETTLE_MAX_S) + SETTLE_MARGIN_S
+        deadline = time.monotonic() + bound
+        while time.monotonic() < deadline:  # polled, as stopping.drain polls in_flight
+            if not self._busy(name):
+                return
+            await asyncio.sleep(SETTLE_POLL_S)
+
+    def _unusable(self) -> AdapterResult | None:
+        """Refused while adapters.json could not be read at start: a change would write
+        over the adapters in it."""
+        if self._unreadable is None:
+            return None
+        message = f"{self._unreadable}, then restart the service; until then"
+        return AdapterResult(503, f"{message} no adapter can be added or removed", "state_file")
 
     def _check_add(self, base: ServedModel | None, name: str, path: str) -> AdapterResult | None:
         """Why the adapter cannot be added (a 4xx), or None."""
         if base is None:
             return AdapterResult(404, "no model has that name", "model_not_found")
-        if not NAME_RE.fullmatch(name):
-            message = "name: must be 1-64 characters of a-z 0-9 . _ -"
-            return AdapterResult(400, message, "invalid_request")
+        if not good_name(name):
+            return AdapterResult(400, f"name: {NAME_RULE}", "invalid_request")
         if self._config().model(name) is not None or name in self._names:
             return AdapterResult(
                 409,
@@ -189,6 +200,8 @@ class AdapterBook:
             )
         try:
             rank = adapter_rank(path)
+        except UnsafeAdapter as exc:
+            return AdapterResult(400, f"path {path!r}: {exc}", "adapter_unsafe")
         except AdapterError as exc:
             return AdapterResult(400, f"path {path!r}: {exc}", "adapter_invalid")
         return _rank_problem(base, rank, [r.spec.lora_rank for r in self._mine(base.name)])
@@ -217,10 +230,8 @@ class AdapterBook:
 
     async def _save(self) -> AdapterResult | None:
         """adapters.json written (None), or the 5xx saying why not (nothing changed)."""
-        entries = [{"name": k.name, "model": k.model, "path": k.path} for k in self._kept.values()]
-        data = json.dumps({"format": FORMAT, "saved": time.time(), "adapters": entries}, indent=1)
         try:
-            await asyncio.to_thread(atomic_write, self._path, data.encode() + b"\n")
+            await asyncio.to_thread(write_file, self._path, list(self._kept.values()))
         except (FileWriteError, OSError) as exc:
             log.error("%s could not be written: %s", self._path, exc)
             return AdapterResult(503, f"{self._path} could not be written: {exc}", "state_file")

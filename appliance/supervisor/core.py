@@ -52,7 +52,8 @@ from appliance.engine import EngineSpec, EngineState, instance_id, lineage_env
 from appliance.errors import EXIT_NO_ENGINE, EXIT_OK
 from appliance.plan import EnginePlan
 from appliance.supervisor import leftovers, stopping
-from appliance.supervisor.adapters import AdapterBook, adapters_path
+from appliance.supervisor.adapters import AdapterBook
+from appliance.supervisor.adapters_file import adapters_path
 from appliance.supervisor.boot import SocketDir, gpu_count, make_plan, open_telemetry
 from appliance.supervisor.commands import CheckNow, Drain, Nudge, Restart, Resume
 from appliance.supervisor.coordination import RestartCoordinator
@@ -110,7 +111,11 @@ class Supervisor:
         self._heat: HeatWatch | None = None
         self._models: ModelsOnDemand | None = None  # each model's load state
         # LoRA adapters: the config's and the admin's (kept beside the keys file).
-        self._adapters = AdapterBook(lambda: self.config, adapters_path(config.gateway.keys_file))
+        self._adapters = AdapterBook(
+            lambda: self.config,
+            adapters_path(config.gateway.keys_file),
+            lambda name: self._link.adapter_requests(name),
+        )
         self._sockets = SocketDir()
         self.coordinator = RestartCoordinator(lambda: ((r.id, r.state) for r in self._runners))
         self._tasks = SupervisorTasks()

@@ -16,6 +16,7 @@ import asyncio
 import logging
 from collections.abc import Callable, Mapping
 
+from appliance.config.lora import AdapterError, adapter_rank
 from appliance.engine import EngineSpec
 from appliance.supervisor.commands import AdapterClient, SyncAdapters
 from appliance.supervisor.inbox import Inbox
@@ -87,7 +88,9 @@ class EngineAdapters:
                 continue
             if adapter in served:  # the same name from another folder: replaced
                 await client.unload_adapter(api_key, adapter, SYNC_TIMEOUT_S)
-            failed = await client.load_adapter(api_key, adapter, path, SYNC_TIMEOUT_S)
+            failed = _unsafe(path)  # checked again: the folder may have changed since
+            if failed is None:
+                failed = await client.load_adapter(api_key, adapter, path, SYNC_TIMEOUT_S)
             self._said(errors, adapter, "loaded", failed)
         return errors
 
@@ -97,3 +100,12 @@ class EngineAdapters:
             return
         errors[adapter] = failed
         log.error("%s: LoRA adapter %s could not be %s: %s", self.spec.name, adapter, done, failed)
+
+
+def _unsafe(path: str) -> str | None:
+    """Why the appliance will not hand vLLM this folder now (config/lora.py), or None."""
+    try:
+        adapter_rank(path)
+    except AdapterError as exc:
+        return f"path {path!r}: {exc}"
+    return None

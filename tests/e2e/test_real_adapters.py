@@ -9,10 +9,7 @@ and the engine serves on.
 
 from __future__ import annotations
 
-import json
 import subprocess
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +20,7 @@ import pytest
 from appliance import paths
 from tests.e2e.conftest import RealAppliance, missing_setup, real_home, serving
 from tests.fakes.appliance_proc import real_engine_config
+from tests.fakes.http_json import call_json
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 WRITER = Path(__file__).with_name("lora_adapter.py")
@@ -71,17 +69,7 @@ def ask(box: RealAppliance, model: str) -> str:
 
 
 def admin(box: RealAppliance, method: str, path: str, body: Any = None) -> tuple[int, Any]:
-    req = urllib.request.Request(
-        box.url + path,
-        data=json.dumps(body).encode() if body is not None else None,
-        method=method,
-        headers={**box.admin_headers(), "Content-Type": "application/json"},
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=180) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+    return call_json(box.url, box.admin_key, method, path, body, timeout=180)
 
 
 def test_the_configs_adapter_answers_under_its_own_name(box: RealAppliance) -> None:
@@ -89,7 +77,8 @@ def test_the_configs_adapter_answers_under_its_own_name(box: RealAppliance) -> N
     assert listed == {"chat": None, "sql": "chat"}
     print(f"\n[e2e] sql says: {ask(box, 'sql')!r}; chat says: {ask(box, 'chat')!r}")
     lines = [" ".join(p.cmdline()) for p in box.processes()]
-    assert any("--enable-lora" in c and "--lora-modules sql=" in c for c in lines), lines
+    module = '--lora-modules {"name": "sql", "path": '  # vLLM's JSON form (lora.py)
+    assert any("--enable-lora" in c and module in c for c in lines), lines
 
 
 def test_an_admin_adds_an_adapter_at_run_time_and_it_answers(box: RealAppliance) -> None:

@@ -1,7 +1,7 @@
 """vLLM's LoRA adapters on the fake engine, as vLLM 0.32 serves them.
 
 ``--enable-lora`` turns them on, ``--max-lora-rank`` (default 16) bounds an adapter's
-``r``, ``--lora-modules name=path ...`` are loaded at start (one that fails stops the
+``r``, ``--lora-modules name=path|JSON ...`` are loaded at start (one that fails stops the
 server, as ``init_static_loras`` raises). With ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``
 true the development routes ``POST /v1/load_lora_adapter`` and
 ``/v1/unload_lora_adapter`` exist (``entrypoints/serve/lora/api_router.py``), answering
@@ -52,7 +52,11 @@ class FakeLora:
     def load_static(self, modules: list[str] | None) -> None:
         """--lora-modules name=path: loaded at start; a failure ends the server (vLLM)."""
         for item in modules or ():
-            name, _, path = item.partition("=")
+            if "=" in item and "," not in item:  # vLLM's old form: name=path
+                name, _, path = item.partition("=")
+            else:  # else JSON, as vLLM's LoRAParserAction reads it
+                module = json.loads(item)
+                name, path = module["name"], module["path"]
             failed = self._load(name, path)
             if failed is not None:
                 raise SystemExit(f"ValueError: {failed}")

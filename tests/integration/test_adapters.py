@@ -14,8 +14,7 @@ import json
 import re
 import signal
 import stat
-import urllib.error
-import urllib.request
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ from typing import Any
 import pytest
 
 from tests.fakes.appliance_proc import STEADY_HEALTH, Appliance, fake_engine_config, run_appliance
+from tests.fakes.http_json import call_json
 from tests.fakes.lora_files import fake_adapter
 
 pytestmark = pytest.mark.slow
@@ -36,23 +36,7 @@ class Box:
         self.app, self.key, self.tmp = app, key, tmp
 
     def call(self, method: str, path: str, body: dict[str, Any] | None = None) -> tuple[int, Any]:
-        data = json.dumps(body).encode() if body is not None else None
-        req = urllib.request.Request(
-            self.app.url + path,
-            data=data,
-            method=method,
-            headers={"Authorization": f"Bearer {self.key}", "Content-Type": "application/json"},
-        )
-        try:
-            with urllib.request.urlopen(req, timeout=60) as r:
-                raw = r.read()
-                status = r.status
-        except urllib.error.HTTPError as e:
-            raw, status = e.read(), e.code
-        try:
-            return status, json.loads(raw or b"null")
-        except ValueError:
-            return status, raw.decode(errors="replace")
+        return call_json(self.app.url, self.key, method, path, body)
 
     def chat(self, model: str) -> tuple[int, Any]:
         body = {"model": model, "messages": MSGS, "max_tokens": 2}
@@ -72,6 +56,17 @@ class Box:
         stats = self.app.engine_stats(engine)
         assert stats is not None
         return dict(stats["adapters"])
+
+    def requests_in_flight(self, engine: int) -> int:
+        code, status = self.call("GET", "/admin/status")
+        assert code == 200, status
+        return int(status["engines"][engine]["inflight"])
+
+    def queued(self) -> float:
+        code, text = self.call("GET", "/metrics")
+        assert code == 200
+        lines = [x for x in str(text).splitlines() if x.startswith("appliance_queue_depth ")]
+        return float(lines[0].rsplit(" ", 1)[1]) if lines else 0.0
 
     def requests_for(self, model: str) -> float:
         code, text = self.call("GET", "/metrics")
@@ -167,6 +162,9 @@ def test_the_gateway_never_relays_the_engines_lora_routes(box: Box) -> None:
         ("plain", "p-sql", "{tmp}/lora/sql", 409, "lora_off"),
         ("nope", "n-sql", "{tmp}/lora/sql", 404, "model_not_found"),
         ("chat", "Bad Name", "{tmp}/lora/sql", 400, "invalid_request"),
+        ("chat", "..", "{tmp}/lora/sql", 400, "invalid_request"),  # no URL can name it
+        ("chat", "sql/x", "{tmp}/lora/sql", 400, "invalid_request"),
+        ("chat", "x", "/tmp/a\u0000b", 400, "adapter_invalid"),
     ],
 )
 def test_an_adapter_that_cannot_be_served_is_refused_clearly(
@@ -179,6 +177,28 @@ def test_an_adapter_that_cannot_be_served_is_refused_clearly(
     assert body["error"]["message"]
     assert box.listed() == listed
     assert box.engine_adapters(0) == {"sql": str(box.tmp / "lora" / "sql")}
+
+
+def test_a_folder_another_account_could_change_is_refused_and_not_loaded(box: Box) -> None:
+    folder = fake_adapter(box.tmp / "lora" / "open")
+    folder.chmod(0o777)  # any account could swap the weights before vLLM reads them
+    code, body = box.add("chat", "open", folder)
+    assert (code, body["error"]["code"]) == (400, "adapter_unsafe"), body
+    assert f"{folder} is writable by every account" in body["error"]["message"]
+    assert f"chmod go-w {folder}" in body["error"]["message"]
+    assert "open" not in box.listed()
+    assert "open" not in box.engine_adapters(0)
+
+
+def test_the_audit_line_of_an_add_is_bounded_and_never_quotes_the_refusal(box: Box) -> None:
+    name, path = "n" * 5000, "/" + "p" * 5000
+    code, body = box.add("chat", name, path)
+    assert (code, body["error"]["code"]) == (400, "invalid_request"), body
+    line = (box.tmp / "audit.log").read_text().splitlines()[-1]
+    entry = json.loads(line)
+    assert entry["action"] == "model.adapter.add" and entry["outcome"] == "refused"
+    assert len(line) < 2000, line
+    assert "message" not in json.dumps(entry)
 
 
 def test_an_adapter_the_engine_cannot_load_is_refused_and_not_kept(box: Box) -> None:
@@ -268,3 +288,68 @@ def test_an_adapter_added_at_run_time_is_served_after_the_daemon_restarts(
         code, body = box.chat("kept")
         assert (code, body["model"]) == (200, "kept"), body
         assert box.engine_adapters(0)["kept"] == str(folder)
+
+
+def test_an_adapters_file_that_cannot_be_read_is_never_written_over(tmp_path: Path) -> None:
+    cfg = lora_config(tmp_path)
+    cfg["models"] = cfg["models"][:1]
+    cfg["engine"]["cpu_engines"] = 1
+    kept = tmp_path / "adapters.json"
+    kept.write_text('{"format": 1, "adapters": [{"name": "mine", "model": "chat"}]}')
+    kept.chmod(0o600)
+    before = kept.read_bytes()
+    with run_appliance(tmp_path, cfg) as app:
+        app.wait_ready()
+        box = Box(app, (tmp_path / "admin.key").read_text().strip(), tmp_path)
+        code, body = box.add("chat", "new", fake_adapter(tmp_path / "lora" / "new"))
+        assert (code, body["error"]["code"]) == (503, "state_file"), body
+        assert f"{kept} is not an adapters file" in body["error"]["message"]
+        assert "restart the service" in body["error"]["message"]
+        assert box.chat("sql")[0] == 200  # the config's adapters serve on
+    assert kept.read_bytes() == before
+
+
+def test_requests_for_an_adapter_the_admin_removes_finish_and_are_not_cut(
+    tmp_path: Path,
+) -> None:
+    # One request at a time on a slow engine: one streams on the adapter, one waits in
+    # the gateway's queue for it, and the admin removes the adapter meanwhile.
+    cfg = lora_config(tmp_path)
+    chat = cfg["models"][0]
+    chat["command"] = [*chat["command"], "--token-delay-ms", "40"]
+    chat["max_inflight"] = 1
+    cfg["models"] = [chat]
+    with run_appliance(tmp_path, cfg) as app:
+        app.wait_ready()
+        box = Box(app, (tmp_path / "admin.key").read_text().strip(), tmp_path)
+        assert box.add("chat", "busy", fake_adapter(tmp_path / "lora" / "busy"))[0] == 200
+        answers: dict[str, Any] = {}
+
+        def ask(what: str, body: dict[str, Any], path: str = "/v1/chat/completions") -> None:
+            answers[what] = box.call("POST", path, body)
+
+        stream = {"model": "busy", "messages": MSGS, "max_tokens": 40, "stream": True}
+        waiting = {"model": "busy", "messages": MSGS, "max_tokens": 2}
+        threads = [threading.Thread(target=ask, args=("stream", stream))]
+        threads[0].start()
+        app.wait_for(lambda: box.requests_in_flight(0) == 1, 30, "the stream on the engine")
+        threads.append(threading.Thread(target=ask, args=("waiting", waiting)))
+        threads[1].start()
+        app.wait_for(lambda: box.queued() == 1, 30, "the second request queued")
+        remove = threading.Thread(
+            target=lambda: answers.update(
+                removed=box.call("DELETE", "/admin/models/chat/adapters/busy")
+            )
+        )
+        remove.start()
+        for t in (*threads, remove):
+            t.join(60)
+        code, text = answers["stream"]
+        assert code == 200 and str(text).rstrip().endswith("data: [DONE]"), text
+        assert str(text).count('"content"') >= 40
+        code, body = answers["waiting"]
+        assert (code, body["model"]) == (200, "busy"), body  # not vLLM's 404
+        assert answers["removed"][0] == 200
+        assert "busy" not in box.engine_adapters(0)
+        code, body = box.chat("busy")
+        assert (code, body["error"]["code"]) == (404, "model_not_found")

@@ -10,9 +10,6 @@ states, GPU memory in /admin/status, metrics and the journal.
 
 from __future__ import annotations
 
-import json
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,6 +24,7 @@ from tests.fakes.appliance_proc import (
     get_json,
     run_appliance,
 )
+from tests.fakes.http_json import call_json
 from tests.gpu_check.fake_nvml import FAKE_DIR_ENV, default_gpu, write_shim, write_state
 
 pytestmark = pytest.mark.slow
@@ -39,19 +37,7 @@ class Box:
         self.app, self.key, self.nvml = app, key, nvml
 
     def call(self, method: str, path: str, body: dict[str, Any] | None = None) -> tuple[int, Any]:
-        data = json.dumps(body).encode() if body is not None else None
-        req = urllib.request.Request(
-            self.app.url + path,
-            data=data,
-            method=method,
-            headers={"Authorization": f"Bearer {self.key}", "Content-Type": "application/json"},
-        )
-        try:
-            with urllib.request.urlopen(req, timeout=60) as r:
-                raw = r.read()
-                return r.status, json.loads(raw) if raw.startswith(b"{") else raw.decode()
-        except urllib.error.HTTPError as e:
-            return e.code, json.loads(e.read() or b"null")
+        return call_json(self.app.url, self.key, method, path, body)
 
     def chat(self, model: str) -> tuple[int, Any]:
         body = {"model": model, "messages": MSGS, "max_tokens": 2}

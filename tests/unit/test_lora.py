@@ -93,7 +93,7 @@ def test_an_engines_rank_is_read_from_its_whole_command_line(argv: list[str], ra
 def test_lora_args_size_the_rank_and_batch_and_name_the_configs_adapters() -> None:
     assert lora_args([("sql", "/a")], [8]) == [
         *("--enable-lora", "--max-lora-rank", "8", "--max-loras", "1"),
-        *("--lora-modules", "sql=/a"),
+        *("--lora-modules", '{"name": "sql", "path": "/a"}'),
     ]
     # An admin's kept adapter of rank 20 (no module: loaded at run time) needs 32.
     assert lora_args([], [8, 20, 4, 4, 4]) == [
@@ -115,7 +115,8 @@ def test_an_engine_of_a_model_with_adapters_gets_lora_flags_and_the_runtime_env(
     argv, rank = with_lora(chat, ("vllm", "--model", "m", "--seed", "1"), env, kept=[12])
     assert argv == (
         *("vllm", "--model", "m", "--enable-lora", "--max-lora-rank", "16", "--max-loras", "2"),
-        *("--lora-modules", f"sql={tmp_path / 'sql'}", "--seed", "1"),  # extra_args last
+        *("--lora-modules", json.dumps({"name": "sql", "path": str(tmp_path / "sql")})),
+        *("--seed", "1"),  # extra_args last
     )
     assert (rank, env) == (16, {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true"})
     env = {}
