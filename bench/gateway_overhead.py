@@ -449,6 +449,31 @@ def report(args: argparse.Namespace, quiet: Any, data: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+def relay_daemon(
+    args: argparse.Namespace, mode: str, top: int, tree: Path = REPO
+) -> contextlib.AbstractContextManager[Daemon]:
+    """The daemon this bench loads: one fast fake engine listening as ``mode`` says, budgets
+    above a load of ``top`` streams (this measures the relay, not admission's queue), the
+    contract's health defaults; ``tree``'s code (``bench.tree_ab``)."""
+    kv = [] if args.kv_cache_usage == "derived" else ["--kv-cache-usage", args.kv_cache_usage]
+    return daemon(
+        1,
+        ["--token-delay-ms", f"{args.token_delay_ms:g}", "--max-num-seqs", str(4 * top), *kv],
+        engine={
+            "listen": mode,
+            "max_inflight": 4 * top,
+            "max_inflight_tokens": 10**8,
+            "env": {"PYTHONPATH": str(REPO)},
+        },
+        gateway={"max_queue": 8 * top},
+        # The contract's health defaults (the fakes' test config checks every 0.3 s).
+        health={"interval_s": 2.0, "probe_timeout_s": 10.0, "failures_to_restart": 3},
+        telemetry={"source": "none", "interval_s": 1.0},
+        env={"LLM_APPLIANCE_EVENT_LOOP": args.daemon_loop},
+        tree=tree,
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--levels", default="1,16,64,256", help="concurrent streams, comma-separated")
@@ -504,38 +529,12 @@ def main() -> None:
     args.listen = list(MODES) if args.listen == "both" else [args.listen]
     args.levels = [int(x) for x in args.levels.split(",")]
     args.profile_levels = [int(x) for x in args.profile_levels.split(",") if x]
-    kv = [] if args.kv_cache_usage == "derived" else ["--kv-cache-usage", args.kv_cache_usage]
-    env = {"LLM_APPLIANCE_EVENT_LOOP": args.daemon_loop}
     quiet = wait_for_quiet(0 if args.no_wait else 600)
     quiet.start_watching()
     t0 = time.monotonic()
-    top = max(args.levels)
     with contextlib.ExitStack() as stack:
         daemons = {
-            mode: stack.enter_context(
-                daemon(
-                    1,
-                    [
-                        "--token-delay-ms",
-                        f"{args.token_delay_ms:g}",
-                        "--max-num-seqs",
-                        str(4 * top),
-                        *kv,
-                    ],
-                    # Budgets above the load: this measures the relay, not admission's queue.
-                    engine={
-                        "listen": mode,
-                        "max_inflight": 4 * top,
-                        "max_inflight_tokens": 10**8,
-                        "env": {"PYTHONPATH": str(REPO)},
-                    },
-                    gateway={"max_queue": 8 * top},
-                    # The contract's health defaults (the fakes' test config checks every 0.3 s).
-                    health={"interval_s": 2.0, "probe_timeout_s": 10.0, "failures_to_restart": 3},
-                    telemetry={"source": "none", "interval_s": 1.0},
-                    env=env,
-                )
-            )
+            mode: stack.enter_context(relay_daemon(args, mode, max(args.levels)))
             for mode in args.listen
         }
         data = asyncio.run(run(args, daemons))
