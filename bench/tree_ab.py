@@ -41,8 +41,8 @@ from bench._common import (
     route_stream,
     wait_for_quiet,
 )
+from bench._relay import cpu_s, relay_daemon, rotation
 from bench._trees import commit_label, head_label, worktree
-from bench.gateway_overhead import cpu_s, relay_daemon
 from tests.fakes.appliance_proc import REPO
 
 THIS_TREE = "."
@@ -68,12 +68,6 @@ class Side:
     def net(self) -> float:
         bg = self.idle_cpu / self.idle_s if self.idle_s else 0.0
         return (self.cpu - bg * self.elapsed) / self.events * 1e6 if self.events else float("nan")
-
-
-def rotation(names: Sequence[str], r: int) -> list[str]:
-    """Round r's order: the list rotated by r."""
-    k = r % len(names) if names else 0
-    return [*names[k:], *names[:k]]
 
 
 def round_ratios(sides: dict[str, Side], base: str) -> dict[str, list[float]]:
@@ -197,7 +191,11 @@ def main(argv: Sequence[str] | None = None) -> None:
             name = f"{i}:{ref}"
             tree = REPO if ref == THIS_TREE else stack.enter_context(worktree(ref))
             labels[name] = head_label() if ref == THIS_TREE else commit_label(ref)
-            daemons[name] = stack.enter_context(relay_daemon(args, "unix", max(args.levels), tree))
+            kv = None if args.kv_cache_usage == "derived" else args.kv_cache_usage
+            relay = relay_daemon(
+                args.token_delay_ms, max(args.levels), "unix", kv, args.daemon_loop, tree
+            )
+            daemons[name] = stack.enter_context(relay)
         figures = asyncio.run(run(args, daemons))
     quiet.stop_watching()
     table, data = report(figures, labels)

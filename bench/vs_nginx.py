@@ -37,7 +37,7 @@ import os
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,7 +52,6 @@ from bench._common import (
     client_session,
     closed_loop,
     completion_body,
-    daemon,
     header,
     module_argv,
     pct,
@@ -61,42 +60,14 @@ from bench._common import (
     wait_for_quiet,
     write_plot,
 )
-from tests.fakes.appliance_proc import REPO
+from bench._relay import Rounds, cpu_s, relay_daemon, rotation
 
 PROXIES = ("appliance", "nginx")
 
 
 @dataclass
-class Acc:
-    results: list[Result] = field(default_factory=list)
-    elapsed: float = 0.0
+class Acc(Rounds):
     cpu: dict[str, float] = field(default_factory=dict)  # proxy -> CPU s during these rounds
-
-    @property
-    def ok(self) -> list[Result]:
-        return [r for r in self.results if r.ok]
-
-    @property
-    def events(self) -> int:
-        return sum(r.events for r in self.results)
-
-    def rate(self) -> float:
-        return self.events / self.elapsed if self.elapsed else float("nan")
-
-
-def cpu_s(procs: Sequence[psutil.Process]) -> float:
-    total = 0.0
-    for p in procs:
-        with contextlib.suppress(psutil.Error):
-            t = p.cpu_times()
-            total += t.user + t.system
-    return total
-
-
-def rotation(paths: Sequence[str], r: int) -> list[str]:
-    """Round r's order: the paths rotated by r, so each runs first, middle and last."""
-    k = r % len(paths)
-    return [*paths[k:], *paths[:k]]
 
 
 @dataclass
@@ -116,13 +87,13 @@ async def measure(args: argparse.Namespace, paths: Paths) -> dict[tuple[int, str
         rounds = args.rounds * (2 if c == 1 else 1)  # 1 stream: few samples per round
         for r in range(rounds):
             for name in rotation(names, r):
-                before = {p: cpu_s(ps) for p, ps in paths.procs.items()}
+                before = {p: cpu_s(*ps) for p, ps in paths.procs.items()}
                 results, elapsed = await closed_loop(c, args.round_s, paths.send[name])
                 a = accs[(c, name)]
                 a.results += results
                 a.elapsed += elapsed
                 for p, ps in paths.procs.items():
-                    a.cpu[p] = a.cpu.get(p, 0.0) + cpu_s(ps) - before[p]
+                    a.cpu[p] = a.cpu.get(p, 0.0) + cpu_s(*ps) - before[p]
         line = ", ".join(f"{n} {accs[(c, n)].rate():.0f} ev/s" for n in names)
         print(f"  {c:>4} streams: {line}", flush=True)
     return accs
@@ -289,25 +260,8 @@ def main() -> None:
     quiet.start_watching()
     t0, top = time.monotonic(), max(args.levels)
     with contextlib.ExitStack() as stack:
-        d = stack.enter_context(
-            daemon(
-                1,
-                ["--token-delay-ms", f"{args.token_delay_ms:g}", "--max-num-seqs", str(4 * top)],
-                # Budgets above the load: this measures the relay, not admission's queue.
-                engine={
-                    "listen": "unix",
-                    "max_inflight": 4 * top,
-                    "max_inflight_tokens": 10**8,
-                    "env": {"PYTHONPATH": str(REPO)},
-                },
-                gateway={"max_queue": 8 * top},
-                health={"interval_s": 2.0, "probe_timeout_s": 10.0, "failures_to_restart": 3},
-                telemetry={"source": "none", "interval_s": 1.0},
-                env={
-                    "LLM_APPLIANCE_EVENT_LOOP": os.environ.get("LLM_APPLIANCE_EVENT_LOOP", "uvloop")
-                },
-            )
-        )
+        loop = os.environ.get("LLM_APPLIANCE_EVENT_LOOP", "uvloop")
+        d = stack.enter_context(relay_daemon(args.token_delay_ms, top, loop=loop))
         ng = None
         if exe is not None:
             sock = d.engine_address(0).uds

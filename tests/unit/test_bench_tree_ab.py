@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from bench.tree_ab import Side, report, rotation, round_ratios
+from bench._relay import rotation
+from bench.tree_ab import Side, report, round_ratios
 
 
 def test_every_tree_leads_one_round_in_turn() -> None:
