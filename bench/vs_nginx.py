@@ -44,7 +44,7 @@ from typing import Any
 
 import psutil
 
-from bench import nginx, plots, profile
+from bench import nginx, pipe, plots, profile
 from bench._common import (
     Daemon,
     Result,
@@ -62,7 +62,7 @@ from bench._common import (
 )
 from bench._relay import Rounds, cpu_s, relay_daemon, rotation
 
-PROXIES = ("appliance", "nginx")
+PROXIES = ("appliance", "nginx", "pipe")
 
 
 @dataclass
@@ -180,7 +180,9 @@ def table(args: argparse.Namespace, figs: dict[str, Any], names: list[str]) -> T
     return t
 
 
-async def run(args: argparse.Namespace, d: Daemon, ng: nginx.Nginx | None) -> dict[str, Any]:
+async def run(
+    args: argparse.Namespace, d: Daemon, ng: nginx.Nginx | None, pp: pipe.Pipe | None
+) -> dict[str, Any]:
     body = completion_body(args.tokens, stream=True)
     key = d.engine_key(0)
     async with contextlib.AsyncExitStack() as stack:
@@ -196,6 +198,10 @@ async def run(args: argparse.Namespace, d: Daemon, ng: nginx.Nginx | None) -> di
             via = await stack.enter_async_context(client_session())
             send["nginx"] = lambda w: request(via, ng.url, key, body, True)
             procs["nginx"] = ng.processes()
+        if pp is not None:
+            raw = await stack.enter_async_context(client_session())
+            send["pipe"] = lambda w: request(raw, pp.url, key, body, True)
+            procs["pipe"] = pp.processes()
         accs = await measure(args, Paths(send, procs))
         prof: dict[str, Any] = {}
         if args.profile_s > 0:
@@ -246,6 +252,11 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64, help="tokens per stream")
     ap.add_argument("--token-delay-ms", type=float, default=2.0)
     ap.add_argument("--profile-s", type=float, default=0.0, help="py-spy the daemon at 1 stream")
+    ap.add_argument(
+        "--pipe",
+        action="store_true",
+        help="also a Python byte pipe on uvloop (bench.pipe): the floor of a Python relay",
+    )
     ap.add_argument("--no-wait", action="store_true", help="do not wait for a quiet machine")
     ap.add_argument("--json", default="", help="also write the figures to this file")
     ap.add_argument("--plot", default="", help="PNG of the figures (default: next to --json)")
@@ -267,7 +278,12 @@ def main() -> None:
             sock = d.engine_address(0).uds
             assert sock is not None  # engine.listen = "unix" above
             ng = stack.enter_context(nginx.run_nginx(exe, sock))
-        data = asyncio.run(run(args, d, ng))
+        pp = None
+        if args.pipe:
+            sock = d.engine_address(0).uds
+            assert sock is not None
+            pp = stack.enter_context(pipe.run_pipe(sock))
+        data = asyncio.run(run(args, d, ng, pp))
     quiet.stop_watching()
     print()
     print(report(args, quiet, data, why))
