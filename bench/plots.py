@@ -138,6 +138,7 @@ PROXY_STYLE = {
     "appliance": ("tab:blue", "o"),
     "nginx": ("tab:green", "s"),
     "pipe": ("tab:gray", "^"),
+    "vllm-router": ("tab:orange", "D"),
 }
 
 

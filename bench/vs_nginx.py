@@ -34,10 +34,11 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,8 +62,9 @@ from bench._common import (
     write_plot,
 )
 from bench._relay import Rounds, cpu_s, relay_daemon, rotation
+from tests.fakes.router_proc import Router, install_router, run_router
 
-PROXIES = ("appliance", "nginx", "pipe")
+PROXIES = ("appliance", "nginx", "pipe", "vllm-router")
 
 
 @dataclass
@@ -181,7 +183,11 @@ def table(args: argparse.Namespace, figs: dict[str, Any], names: list[str]) -> T
 
 
 async def run(
-    args: argparse.Namespace, d: Daemon, ng: nginx.Nginx | None, pp: pipe.Pipe | None
+    args: argparse.Namespace,
+    d: Daemon,
+    ng: nginx.Nginx | None,
+    pp: pipe.Pipe | None,
+    rt: Router | None = None,
 ) -> dict[str, Any]:
     body = completion_body(args.tokens, stream=True)
     key = d.engine_key(0)
@@ -202,6 +208,10 @@ async def run(
             raw = await stack.enter_async_context(client_session())
             send["pipe"] = lambda w: request(raw, pp.url, key, body, True)
             procs["pipe"] = pp.processes()
+        if rt is not None:
+            routed = await stack.enter_async_context(client_session())
+            send["vllm-router"] = lambda w: request(routed, rt.url, key, body, True)
+            procs["vllm-router"] = [psutil.Process(rt.proc.pid)]
         accs = await measure(args, Paths(send, procs))
         prof: dict[str, Any] = {}
         if args.profile_s > 0:
@@ -244,6 +254,29 @@ def report(args: argparse.Namespace, quiet: Any, data: dict[str, Any], why: str)
     return "\n".join(out)
 
 
+@contextlib.contextmanager
+def router_path(engine_socket: str) -> Iterator[Router | None]:
+    """vllm-router in front of the engine, through a pipe of its own (the router reaches
+    its workers over TCP only): the pipe's hop is in its latency, not in its CPU. None,
+    said in one line, when the router cannot be had."""
+    exe = install_router()
+    if isinstance(exe, str):
+        print(f"  vllm-router left out: {exe}", flush=True)
+        yield None
+        return
+    tmp = Path(tempfile.mkdtemp(prefix="bench-router-"))
+    health = ("--health-check-endpoint", "/health", "--health-check-interval-secs", "5")
+    try:
+        with (
+            pipe.run_pipe(engine_socket) as hop,
+            run_router(exe, tmp, [hop.url], health=health) as rt,
+        ):
+            rt.wait_for(lambda: any(rt.healthy().values()), 30, "the engine healthy")
+            yield rt
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--levels", default="1,16,64", help="concurrent streams, comma-separated")
@@ -256,6 +289,12 @@ def main() -> None:
         "--pipe",
         action="store_true",
         help="also a Python byte pipe on uvloop (bench.pipe): the floor of a Python relay",
+    )
+    ap.add_argument(
+        "--router",
+        action="store_true",
+        help="also vllm-router 0.1.17 (installed under the user cache when missing), in "
+        "front of a pipe of its own to the engine socket (it speaks TCP only)",
     )
     ap.add_argument("--no-wait", action="store_true", help="do not wait for a quiet machine")
     ap.add_argument("--json", default="", help="also write the figures to this file")
@@ -278,12 +317,11 @@ def main() -> None:
             sock = d.engine_address(0).uds
             assert sock is not None  # engine.listen = "unix" above
             ng = stack.enter_context(nginx.run_nginx(exe, sock))
-        pp = None
-        if args.pipe:
-            sock = d.engine_address(0).uds
-            assert sock is not None
-            pp = stack.enter_context(pipe.run_pipe(sock))
-        data = asyncio.run(run(args, d, ng, pp))
+        sock = d.engine_address(0).uds
+        assert sock is not None  # engine.listen = "unix"
+        pp = stack.enter_context(pipe.run_pipe(sock)) if args.pipe else None
+        rt = stack.enter_context(router_path(sock)) if args.router else None
+        data = asyncio.run(run(args, d, ng, pp, rt))
     quiet.stop_watching()
     print()
     print(report(args, quiet, data, why))
