@@ -20,8 +20,12 @@ busier mid-run weighs on every path alike. Per concurrency it prints:
 CPU time is the process's own, so a busy machine slows both but bills neither for the
 other's work; the noise line says how busy the machine was.
 
+``--pipe`` adds a Python byte pipe on uvloop (bench.pipe: the floor of a relay written in
+Python), ``--router`` vllm-router in front of a pipe of its own (it reaches workers over
+TCP only; its CPU is its own process's, its latency includes the pipe's hop).
+
     .venv/bin/python -m bench.vs_nginx [--levels 1,16,64] [--rounds 3] [--round-s 3]
-        [--json FILE.json] [--plot FILE.png] [--profile-s 8]
+        [--pipe] [--router] [--json FILE.json] [--plot FILE.png] [--profile-s 8]
 
 Without nginx (not installed, and apt-get not available as root) it says so in one
 line and measures direct and the appliance only.
