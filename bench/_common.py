@@ -34,6 +34,7 @@ import psutil
 
 from appliance.endpoint import EngineAddress
 from tests.fakes.appliance_proc import (
+    REPO,
     Appliance,
     fake_engine_config,
     get_json,
@@ -251,12 +252,14 @@ def daemon(
     fake_args: Sequence[str],
     keep: bool = False,
     env: dict[str, str] | None = None,
+    tree: Path = REPO,
     **overrides: dict[str, Any],
 ) -> Iterator[Daemon]:
     """A running daemon with ``engines`` fake engines, READY, and its admin key.
 
     ``env`` is added to the daemon's environment (engines inherit it). Engines listen
-    as ``engine={"listen": ...}`` says (the appliance's default: Unix sockets).
+    as ``engine={"listen": ...}`` says (the appliance's default: Unix sockets). ``tree``:
+    whose daemon code runs (the fake engine is always this tree's).
     """
     tmp = Path(tempfile.mkdtemp(prefix="llm-appliance-bench-"))
     # Each daemon its own runtime directory, even when this shell has one (two daemons
@@ -265,7 +268,7 @@ def daemon(
     try:
         engine_over = {"served_model_name": MODEL, **overrides.pop("engine", {})}
         cfg = fake_engine_config(tmp, engines, *fake_args, engine=engine_over, **overrides)
-        with run_appliance(tmp, cfg, env=env) as app:
+        with run_appliance(tmp, cfg, env=env, tree=tree) as app:
             app.wait_ready(timeout=60)
             key = (tmp / "admin.key").read_text().strip()
             d = Daemon(app, tmp, key)

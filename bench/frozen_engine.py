@@ -88,6 +88,7 @@ from bench._common import (
     request,
     wait_for_quiet,
 )
+from bench._trees import git, worktree
 from tests.fakes.appliance_proc import fake_engine_config, get_json, write_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -110,28 +111,6 @@ class Tree:
     path: Path
     label: str  # what ran: a commit, or the working tree at a commit
     has_listen: bool  # the config knows engine.listen (the engines then default to unix)
-
-
-def git(*args: str) -> str:
-    return subprocess.run(
-        ["git", *args], cwd=REPO, check=True, capture_output=True, text=True
-    ).stdout.strip()
-
-
-@contextlib.contextmanager
-def worktree(ref: str) -> Iterator[Path]:
-    """A detached worktree of ``ref`` in a temporary directory, always removed after."""
-    parent = Path(tempfile.mkdtemp(prefix="frozen-engine-"))
-    path = parent / "tree"
-    try:
-        git("worktree", "add", "--detach", str(path), ref)
-        yield path
-    finally:
-        subprocess.run(
-            ["git", "worktree", "remove", "--force", str(path)], cwd=REPO, capture_output=True
-        )
-        subprocess.run(["git", "worktree", "prune"], cwd=REPO, capture_output=True)
-        shutil.rmtree(parent, ignore_errors=True)
 
 
 def make_tree(side: str, path: Path, ref: str | None) -> Tree:
@@ -813,8 +792,12 @@ def main() -> None:
     quiet = wait_for_quiet(args.quiet_wait_s)
     quiet.start_watching()
     with contextlib.ExitStack() as stack:
-        before_path = stack.enter_context(worktree(args.before))
-        after_path = REPO if args.after is None else stack.enter_context(worktree(args.after))
+        before_path = stack.enter_context(worktree(prefix="frozen-engine-", ref=args.before))
+        after_path = (
+            REPO
+            if args.after is None
+            else stack.enter_context(worktree(prefix="frozen-engine-", ref=args.after))
+        )
         trees = {
             "before": make_tree("before", before_path, args.before),
             "after": make_tree("after", after_path, args.after),

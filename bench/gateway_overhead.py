@@ -45,7 +45,7 @@ import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +60,6 @@ from bench._common import (
     Table,
     client_session,
     closed_loop,
-    daemon,
     header,
     module_argv,
     ms,
@@ -71,7 +70,7 @@ from bench._common import (
     wait_for_quiet,
     write_plot,
 )
-from tests.fakes.appliance_proc import REPO
+from bench._relay import Rounds, cpu_s, relay_daemon
 
 PATHS = ("direct", "gateway")
 MODES = ("unix", "tcp")
@@ -79,25 +78,12 @@ MODE_NAMES = {"unix": "engines on Unix sockets", "tcp": "engines on 127.0.0.1 TC
 
 
 @dataclass
-class Acc:
-    results: list[Result] = field(default_factory=list)
-    elapsed: float = 0.0
+class Acc(Rounds):
     daemon_cpu: float = 0.0
     engine_cpu: float = 0.0
     client_cpu: float = 0.0
     sys_busy: float = 0.0  # whole machine, every process: busy CPU-seconds
     sys_all: float = 0.0  # whole machine: all CPU-seconds
-
-    @property
-    def ok(self) -> list[Result]:
-        return [r for r in self.results if r.ok]
-
-    @property
-    def events(self) -> int:
-        return sum(r.events for r in self.results)
-
-    def rate(self) -> float:
-        return self.events / self.elapsed if self.elapsed else float("nan")
 
 
 # (listen mode, concurrency, path)
@@ -109,11 +95,6 @@ def sys_cpu() -> tuple[float, float]:
     t = psutil.cpu_times()
     total = sum(t)
     return total - t.idle - getattr(t, "iowait", 0.0), total
-
-
-def cpu_s(p: psutil.Process) -> float:
-    t = p.cpu_times()
-    return float(t.user + t.system)
 
 
 @dataclass
@@ -504,37 +485,14 @@ def main() -> None:
     args.listen = list(MODES) if args.listen == "both" else [args.listen]
     args.levels = [int(x) for x in args.levels.split(",")]
     args.profile_levels = [int(x) for x in args.profile_levels.split(",") if x]
-    kv = [] if args.kv_cache_usage == "derived" else ["--kv-cache-usage", args.kv_cache_usage]
-    env = {"LLM_APPLIANCE_EVENT_LOOP": args.daemon_loop}
+    kv = None if args.kv_cache_usage == "derived" else args.kv_cache_usage
     quiet = wait_for_quiet(0 if args.no_wait else 600)
     quiet.start_watching()
     t0 = time.monotonic()
-    top = max(args.levels)
     with contextlib.ExitStack() as stack:
         daemons = {
             mode: stack.enter_context(
-                daemon(
-                    1,
-                    [
-                        "--token-delay-ms",
-                        f"{args.token_delay_ms:g}",
-                        "--max-num-seqs",
-                        str(4 * top),
-                        *kv,
-                    ],
-                    # Budgets above the load: this measures the relay, not admission's queue.
-                    engine={
-                        "listen": mode,
-                        "max_inflight": 4 * top,
-                        "max_inflight_tokens": 10**8,
-                        "env": {"PYTHONPATH": str(REPO)},
-                    },
-                    gateway={"max_queue": 8 * top},
-                    # The contract's health defaults (the fakes' test config checks every 0.3 s).
-                    health={"interval_s": 2.0, "probe_timeout_s": 10.0, "failures_to_restart": 3},
-                    telemetry={"source": "none", "interval_s": 1.0},
-                    env=env,
-                )
+                relay_daemon(args.token_delay_ms, max(args.levels), mode, kv, args.daemon_loop)
             )
             for mode in args.listen
         }

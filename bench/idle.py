@@ -29,7 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +37,7 @@ from typing import Any
 import psutil
 
 from bench._common import Table, header, wait_for_quiet
+from bench._trees import commit_label, head_label, worktree
 from tests.fakes.appliance_proc import fake_engine_config, get_json, write_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -72,28 +73,6 @@ def sample(proc: psutil.Process) -> CpuSample:
 
 
 # ---------------------------------------------------------------------------- trees
-
-
-def git(*args: str) -> str:
-    return subprocess.run(
-        ["git", *args], cwd=REPO, check=True, capture_output=True, text=True
-    ).stdout.strip()
-
-
-@contextlib.contextmanager
-def worktree(ref: str) -> Iterator[Path]:
-    """A detached worktree of ``ref`` in a temporary directory, always removed after."""
-    parent = Path(tempfile.mkdtemp(prefix="bench-idle-"))
-    path = parent / "tree"
-    try:
-        git("worktree", "add", "--detach", str(path), ref)
-        yield path
-    finally:
-        subprocess.run(
-            ["git", "worktree", "remove", "--force", str(path)], cwd=REPO, capture_output=True
-        )
-        subprocess.run(["git", "worktree", "prune"], cwd=REPO, capture_output=True)
-        shutil.rmtree(parent, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------- one daemon
@@ -224,14 +203,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     quiet = wait_for_quiet(0 if args.no_wait else 600)
     quiet.start_watching()
-    head = git("rev-parse", "--short", "HEAD")
-    dirty = git("status", "--porcelain", "--untracked-files=no", "--", "appliance")
-    labels = {HEAD_SIDE: f"{head}{' (+ uncommitted)' if dirty else ''}"}
+    labels = {HEAD_SIDE: head_label()}
     with contextlib.ExitStack() as stack:
         trees = {HEAD_SIDE: REPO}
         if args.baseline:
-            trees["baseline"] = stack.enter_context(worktree(args.baseline))
-            labels["baseline"] = git("rev-parse", "--short", f"{args.baseline}^{{commit}}")
+            trees["baseline"] = stack.enter_context(
+                worktree(prefix="bench-idle-", ref=args.baseline)
+            )
+            labels["baseline"] = commit_label(args.baseline)
         figures = run(trees, args)
     quiet.stop_watching()
     print()

@@ -134,7 +134,12 @@ def gateway_overhead(result: dict[str, Any], path: Path) -> None:
 # ---------------------------------------------------------------------------- heat
 
 
-PROXY_STYLE = {"appliance": ("tab:blue", "o"), "nginx": ("tab:green", "s")}
+PROXY_STYLE = {
+    "appliance": ("tab:blue", "o"),
+    "nginx": ("tab:green", "s"),
+    "pipe": ("tab:gray", "^"),
+    "vllm-router": ("tab:orange", "D"),
+}
 
 
 def vs_nginx(result: dict[str, Any], path: Path) -> None:

@@ -20,8 +20,12 @@ busier mid-run weighs on every path alike. Per concurrency it prints:
 CPU time is the process's own, so a busy machine slows both but bills neither for the
 other's work; the noise line says how busy the machine was.
 
+``--pipe`` adds a Python byte pipe on uvloop (bench.pipe: the floor of a relay written in
+Python), ``--router`` vllm-router in front of a pipe of its own (it reaches workers over
+TCP only; its CPU is its own process's, its latency includes the pipe's hop).
+
     .venv/bin/python -m bench.vs_nginx [--levels 1,16,64] [--rounds 3] [--round-s 3]
-        [--json FILE.json] [--plot FILE.png] [--profile-s 8]
+        [--pipe] [--router] [--json FILE.json] [--plot FILE.png] [--profile-s 8]
 
 Without nginx (not installed, and apt-get not available as root) it says so in one
 line and measures direct and the appliance only.
@@ -34,17 +38,18 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import psutil
 
-from bench import nginx, plots, profile
+from bench import nginx, pipe, plots, profile
 from bench._common import (
     Daemon,
     Result,
@@ -52,7 +57,6 @@ from bench._common import (
     client_session,
     closed_loop,
     completion_body,
-    daemon,
     header,
     module_argv,
     pct,
@@ -61,42 +65,15 @@ from bench._common import (
     wait_for_quiet,
     write_plot,
 )
-from tests.fakes.appliance_proc import REPO
+from bench._relay import Rounds, cpu_s, relay_daemon, rotation
+from tests.fakes.router_proc import Router, install_router, run_router
 
-PROXIES = ("appliance", "nginx")
+PROXIES = ("appliance", "nginx", "pipe", "vllm-router")
 
 
 @dataclass
-class Acc:
-    results: list[Result] = field(default_factory=list)
-    elapsed: float = 0.0
+class Acc(Rounds):
     cpu: dict[str, float] = field(default_factory=dict)  # proxy -> CPU s during these rounds
-
-    @property
-    def ok(self) -> list[Result]:
-        return [r for r in self.results if r.ok]
-
-    @property
-    def events(self) -> int:
-        return sum(r.events for r in self.results)
-
-    def rate(self) -> float:
-        return self.events / self.elapsed if self.elapsed else float("nan")
-
-
-def cpu_s(procs: Sequence[psutil.Process]) -> float:
-    total = 0.0
-    for p in procs:
-        with contextlib.suppress(psutil.Error):
-            t = p.cpu_times()
-            total += t.user + t.system
-    return total
-
-
-def rotation(paths: Sequence[str], r: int) -> list[str]:
-    """Round r's order: the paths rotated by r, so each runs first, middle and last."""
-    k = r % len(paths)
-    return [*paths[k:], *paths[:k]]
 
 
 @dataclass
@@ -116,13 +93,13 @@ async def measure(args: argparse.Namespace, paths: Paths) -> dict[tuple[int, str
         rounds = args.rounds * (2 if c == 1 else 1)  # 1 stream: few samples per round
         for r in range(rounds):
             for name in rotation(names, r):
-                before = {p: cpu_s(ps) for p, ps in paths.procs.items()}
+                before = {p: cpu_s(*ps) for p, ps in paths.procs.items()}
                 results, elapsed = await closed_loop(c, args.round_s, paths.send[name])
                 a = accs[(c, name)]
                 a.results += results
                 a.elapsed += elapsed
                 for p, ps in paths.procs.items():
-                    a.cpu[p] = a.cpu.get(p, 0.0) + cpu_s(ps) - before[p]
+                    a.cpu[p] = a.cpu.get(p, 0.0) + cpu_s(*ps) - before[p]
         line = ", ".join(f"{n} {accs[(c, n)].rate():.0f} ev/s" for n in names)
         print(f"  {c:>4} streams: {line}", flush=True)
     return accs
@@ -209,7 +186,13 @@ def table(args: argparse.Namespace, figs: dict[str, Any], names: list[str]) -> T
     return t
 
 
-async def run(args: argparse.Namespace, d: Daemon, ng: nginx.Nginx | None) -> dict[str, Any]:
+async def run(
+    args: argparse.Namespace,
+    d: Daemon,
+    ng: nginx.Nginx | None,
+    pp: pipe.Pipe | None,
+    rt: Router | None = None,
+) -> dict[str, Any]:
     body = completion_body(args.tokens, stream=True)
     key = d.engine_key(0)
     async with contextlib.AsyncExitStack() as stack:
@@ -225,6 +208,14 @@ async def run(args: argparse.Namespace, d: Daemon, ng: nginx.Nginx | None) -> di
             via = await stack.enter_async_context(client_session())
             send["nginx"] = lambda w: request(via, ng.url, key, body, True)
             procs["nginx"] = ng.processes()
+        if pp is not None:
+            raw = await stack.enter_async_context(client_session())
+            send["pipe"] = lambda w: request(raw, pp.url, key, body, True)
+            procs["pipe"] = pp.processes()
+        if rt is not None:
+            routed = await stack.enter_async_context(client_session())
+            send["vllm-router"] = lambda w: request(routed, rt.url, key, body, True)
+            procs["vllm-router"] = [psutil.Process(rt.proc.pid)]
         accs = await measure(args, Paths(send, procs))
         prof: dict[str, Any] = {}
         if args.profile_s > 0:
@@ -267,6 +258,29 @@ def report(args: argparse.Namespace, quiet: Any, data: dict[str, Any], why: str)
     return "\n".join(out)
 
 
+@contextlib.contextmanager
+def router_path(engine_socket: str) -> Iterator[Router | None]:
+    """vllm-router in front of the engine, through a pipe of its own (the router reaches
+    its workers over TCP only): the pipe's hop is in its latency, not in its CPU. None,
+    said in one line, when the router cannot be had."""
+    exe = install_router()
+    if isinstance(exe, str):
+        print(f"  vllm-router left out: {exe}", flush=True)
+        yield None
+        return
+    tmp = Path(tempfile.mkdtemp(prefix="bench-router-"))
+    health = ("--health-check-endpoint", "/health", "--health-check-interval-secs", "5")
+    try:
+        with (
+            pipe.run_pipe(engine_socket) as hop,
+            run_router(exe, tmp, [hop.url], health=health) as rt,
+        ):
+            rt.wait_for(lambda: any(rt.healthy().values()), 30, "the engine healthy")
+            yield rt
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--levels", default="1,16,64", help="concurrent streams, comma-separated")
@@ -275,6 +289,17 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64, help="tokens per stream")
     ap.add_argument("--token-delay-ms", type=float, default=2.0)
     ap.add_argument("--profile-s", type=float, default=0.0, help="py-spy the daemon at 1 stream")
+    ap.add_argument(
+        "--pipe",
+        action="store_true",
+        help="also a Python byte pipe on uvloop (bench.pipe): the floor of a Python relay",
+    )
+    ap.add_argument(
+        "--router",
+        action="store_true",
+        help="also vllm-router 0.1.17 (installed under the user cache when missing), in "
+        "front of a pipe of its own to the engine socket (it speaks TCP only)",
+    )
     ap.add_argument("--no-wait", action="store_true", help="do not wait for a quiet machine")
     ap.add_argument("--json", default="", help="also write the figures to this file")
     ap.add_argument("--plot", default="", help="PNG of the figures (default: next to --json)")
@@ -289,31 +314,18 @@ def main() -> None:
     quiet.start_watching()
     t0, top = time.monotonic(), max(args.levels)
     with contextlib.ExitStack() as stack:
-        d = stack.enter_context(
-            daemon(
-                1,
-                ["--token-delay-ms", f"{args.token_delay_ms:g}", "--max-num-seqs", str(4 * top)],
-                # Budgets above the load: this measures the relay, not admission's queue.
-                engine={
-                    "listen": "unix",
-                    "max_inflight": 4 * top,
-                    "max_inflight_tokens": 10**8,
-                    "env": {"PYTHONPATH": str(REPO)},
-                },
-                gateway={"max_queue": 8 * top},
-                health={"interval_s": 2.0, "probe_timeout_s": 10.0, "failures_to_restart": 3},
-                telemetry={"source": "none", "interval_s": 1.0},
-                env={
-                    "LLM_APPLIANCE_EVENT_LOOP": os.environ.get("LLM_APPLIANCE_EVENT_LOOP", "uvloop")
-                },
-            )
-        )
+        loop = os.environ.get("LLM_APPLIANCE_EVENT_LOOP", "uvloop")
+        d = stack.enter_context(relay_daemon(args.token_delay_ms, top, loop=loop))
         ng = None
         if exe is not None:
             sock = d.engine_address(0).uds
             assert sock is not None  # engine.listen = "unix" above
             ng = stack.enter_context(nginx.run_nginx(exe, sock))
-        data = asyncio.run(run(args, d, ng))
+        sock = d.engine_address(0).uds
+        assert sock is not None  # engine.listen = "unix"
+        pp = stack.enter_context(pipe.run_pipe(sock)) if args.pipe else None
+        rt = stack.enter_context(router_path(sock)) if args.router else None
+        data = asyncio.run(run(args, d, ng, pp, rt))
     quiet.stop_watching()
     print()
     print(report(args, quiet, data, why))

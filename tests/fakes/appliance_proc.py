@@ -298,9 +298,11 @@ def run_appliance(
     env: dict[str, str] | None = None,
     *,
     config_via_env: bool = False,
+    tree: Path = REPO,
 ) -> Iterator[Appliance]:
     """The daemon, running: with `--config`, or as the unit runs it (``config_via_env``:
-    the path in $LLM_APPLIANCE_CONFIG, so a missing file means defaults, not an error)."""
+    the path in $LLM_APPLIANCE_CONFIG, so a missing file means defaults, not an error).
+    ``tree``: whose code runs (a benchmark's ``git worktree`` of another commit)."""
     cfg_path = write_config(tmp / "config.toml", config)
     log_path = tmp / "appliance.log"
     full_env = {
@@ -308,7 +310,7 @@ def run_appliance(
         for k, v in os.environ.items()
         if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
     }
-    full_env["PYTHONPATH"] = str(REPO)
+    full_env["PYTHONPATH"] = str(tree)
     full_env.setdefault("LLM_APPLIANCE_HOME", str(tmp / "home"))
     # As systemd's RuntimeDirectory= would: engine sockets land at a known place.
     run_dir = tmp / "run"
@@ -326,7 +328,8 @@ def run_appliance(
             stdout=log,
             stderr=subprocess.STDOUT,
             env=full_env,
-            cwd=REPO,
+            # `python -m` puts the working directory first on sys.path.
+            cwd=tree,
         )
     app = Appliance(proc, config, log_path, Path(full_env["RUNTIME_DIRECTORY"]))
     try:

@@ -121,6 +121,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--disable-uvicorn-access-log", action="store_true")
     fake_lora.add_arguments(p)  # --enable-lora, --max-lora-rank, --lora-modules
+    # vLLM's: a line per request only when asked (off by default in vLLM 0.32, which the
+    # appliance does not pass), so the daemon relays no per-request output by default.
+    p.add_argument("--enable-log-requests", action="store_true")
     # Fake-only flags.
     p.add_argument("--token-delay-ms", type=float, default=2.0)
     p.add_argument("--first-token-delay-ms", type=float, default=0.0)
@@ -988,7 +991,9 @@ class FakeEngine:
             "completion_tokens": produced * n,
             "total_tokens": prompt_total + produced * n,
         }
-        log(f"Finished request {req_id}: {prompt_total} prompt, {produced * n} generated tokens.")
+        if self.args.enable_log_requests:
+            made = produced * n
+            log(f"Finished request {req_id}: {prompt_total} prompt, {made} generated tokens.")
         text = "".join(f" tok{t}" for t in range(produced))
         if resp is None:
             if kind == "chat":
@@ -1057,7 +1062,8 @@ class FakeEngine:
     def _count_abort(self, req_id: str, produced: int) -> None:
         self.aborts += 1
         self.success["abort"] += 1
-        log(f"Aborted request {req_id} after {produced} tokens (client disconnected).")
+        if self.args.enable_log_requests:
+            log(f"Aborted request {req_id} after {produced} tokens (client disconnected).")
 
     async def embeddings(self, request: web.Request) -> web.Response:
         body = await self._read_body(request)

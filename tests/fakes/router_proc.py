@@ -141,12 +141,18 @@ HEALTH_ARGS: tuple[str, ...] = (
 
 @contextlib.contextmanager
 def run_router(
-    exe: Path, tmp: Path, workers: Sequence[str], *extra: str, policy: str = "round_robin"
+    exe: Path,
+    tmp: Path,
+    workers: Sequence[str],
+    *extra: str,
+    policy: str = "round_robin",
+    health: Sequence[str] = HEALTH_ARGS,
 ) -> Iterator[Router]:
+    """``health``: its health-check arguments (the workers' endpoint and pace)."""
     port = free_port()
     log_path = tmp / "router.log"
     argv = [str(exe), "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *workers]
-    argv += ["--policy", policy, "--prometheus-port", str(free_port()), *HEALTH_ARGS, *extra]
+    argv += ["--policy", policy, "--prometheus-port", str(free_port()), *health, *extra]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
     router = Router(proc, port, log_path)
