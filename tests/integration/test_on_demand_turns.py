@@ -41,6 +41,7 @@ pytestmark = pytest.mark.slow
 ANSWERS = 10  # per model: about 20 swaps per slot, far more than the crash budget below
 LOAD_TIMEOUT_S = 20
 ROUND_S = 120  # a bound for the whole round, never reached when both are served
+QUEUE_TIMEOUT_S = 3  # gateway.queue_timeout_s: far below LOAD_TIMEOUT_S
 RESTART_BUDGET = 3  # restart.max_restarts_per_hour: small, so a miscounted unload shows
 
 
@@ -97,11 +98,12 @@ class Box:
 def box(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Box]:
     tmp = tmp_path_factory.mktemp("on_demand_turns")
     nvml = tmp / "nvml"
-    write_state(nvml, [default_gpu(0), default_gpu(1)])
+    write_state(nvml, [default_gpu(0), default_gpu(1), default_gpu(2)])
     write_shim(nvml)
     cfg: dict[str, Any] = fake_engine_config(
         tmp,
-        4,
+        6,
+        gateway={"queue_timeout_s": QUEUE_TIMEOUT_S},
         health=STEADY_HEALTH,
         telemetry={"source": "nvml", "interval_s": 1.0},  # the default
         restart={"max_restarts_per_hour": RESTART_BUDGET},
@@ -113,6 +115,11 @@ def box(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Box]:
     cfg["models"] = [
         {"name": name, **on_demand, "gpus": [gpu], "min_residency_s": residency}
         for name, gpu, residency in (("a", 0, 0), ("b", 0, 0), ("c", 1, 1), ("d", 1, 1))
+    ]
+    cfg["models"] += [
+        {**m, "name": name, "gpus": [2], "min_residency_s": 0, "max_inflight": 1}
+        for m in (on_demand | {"command": [*fake_gpu, "--token-delay-ms", "150"]},)
+        for name in ("e", "f")
     ]
     env = {FAKE_DIR_ENV: str(nvml), "PYTHONPATH": f"{nvml}:{REPO}"}
     with run_appliance(tmp, cfg, env) as app:
@@ -141,3 +148,38 @@ def test_two_models_wanted_at_once_without_residency_are_both_served(box: Box) -
 
 def test_two_models_wanted_at_once_with_a_residency_are_both_served(box: Box) -> None:
     _served_in_turn(box, ("c", "d"))
+
+
+def test_requests_queued_for_a_model_put_away_meanwhile_are_served_after_the_swap(
+    box: Box,
+) -> None:
+    # "e" takes one request at a time: of three sent at once, two queue while "e" is
+    # loaded. A request for "f" has "e" drained (its request in flight finishes) and put
+    # away; the two still queued want "e" back (nobody else asks for it), and wait for
+    # that load as long as a request that found "e" unloaded would (load_timeout_s),
+    # not gateway.queue_timeout_s.
+    code, body = box.call("POST", "/v1/chat/completions", _chat("e"))
+    assert code == 200, body  # "e" loaded
+    got: dict[str, tuple[int, Any]] = {}
+
+    def ask(tag: str, model: str) -> None:
+        got[tag] = box.call("POST", "/v1/chat/completions", _chat(model))
+
+    threads = [threading.Thread(target=ask, args=(f"e{i}", "e")) for i in range(3)]
+    for t in threads:
+        t.start()
+    box.app.wait_for(lambda: _queue_depth(box) == 2, 30, "two requests for e queued")
+    threads.append(threading.Thread(target=ask, args=("f", "f")))
+    threads[-1].start()
+    for t in threads:
+        t.join()
+    assert {tag: code for tag, (code, _) in got.items()} == dict.fromkeys(got, 200), got
+    assert len(got) == 4
+
+
+def _chat(model: str) -> dict[str, Any]:
+    return {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+def _queue_depth(box: Box) -> int:
+    return int(box.status()["queue_depth"])
