@@ -49,6 +49,7 @@ class _Model:
     used_wall: float | None = None  # time.time() of its last request
     waiting_since: float | None = None
     loaded_at: float | None = None
+    left_at: float | None = None  # last chosen to leave its slot (policy.swap.turn_since)
     load_began: float | None = None
     how: str = "cold"
     sleep_asked: bool = False
@@ -180,6 +181,7 @@ class ModelsOnDemand:
             loaded_at=m.loaded_at,
             idle_unload_s=s.idle_unload_s,
             min_residency_s=s.min_residency_s,
+            left_at=m.left_at,
         )
 
     def _wanted_since(self, m: _Model, link: GatewayLink) -> float | None:
@@ -238,7 +240,7 @@ class ModelsOnDemand:
             self._move(m, ModelState.UNLOADING)
 
     def _put_away(self, m: _Model, why: str) -> None:
-        m.sleep_asked = m.served.swap == "sleep"
+        m.sleep_asked, m.left_at = m.served.swap == "sleep", time.monotonic()
         how = "put to sleep" if m.sleep_asked else "stopped"
         log.info("model %s: draining, then %s: %s", m.served.name, how, why)
         self._move(m, ModelState.DRAINING if m.state is ModelState.LOADED else ModelState.UNLOADING)
