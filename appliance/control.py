@@ -298,6 +298,12 @@ class GatewayLink(Protocol):
     def kv_tripped(self, engine_id: int) -> bool: ...
     def set_throttle(self, engine_id: int, level: int) -> None: ...
     def engines_changed(self) -> None: ...
+    def queued_since(self, model: str) -> float | None:
+        """When the longest-waiting request for ``model`` began to wait in the gateway's
+        queue (time.monotonic); None: nobody waits. Models on demand: such a model is
+        wanted, loaded or not when its requests came."""
+        ...
+
     def abandon(self, engine_id: int, why: str) -> int:
         """Give up the requests on a hung or drained-out engine; how many there were."""
         ...
@@ -331,6 +337,9 @@ class NoGateway:
 
     def engines_changed(self) -> None:
         pass
+
+    def queued_since(self, model: str) -> float | None:
+        return None
 
     def abandon(self, engine_id: int, why: str) -> int:
         return 0

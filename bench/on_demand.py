@@ -24,10 +24,12 @@ of a slot, each sending its next request as soon as the last is answered, for
 stop, each with ``min_residency_s`` 0 and ``--residency-s``. Counted: loads (from
 ``appliance_model_loads_total``; a round starts with both models put away, so swaps =
 loads - 1), requests answered and failed per model, and the time each request waited
-for its first token.
+for its first token; each failed request's HTTP status and error code (0 and the
+exception's name when no answer came), with how long it had waited.
 
     .venv/bin/python -m bench.on_demand [--parts fake,swaps,real] [--rounds 5]
         [--real-rounds 2] [--wake-delay-s 0.5] [--residency-s 5] [--swap-round-s 20]
+        [--slots sleep,sleep-r,stop,stop-r] [--journal FILE.log]
         [--json FILE.json] [--plot FILE.png]
 """
 
@@ -83,6 +85,23 @@ def pair(slot: str) -> tuple[str, str]:
     return f"{slot}-a", f"{slot}-b"
 
 
+@dataclass(slots=True)
+class Asked:
+    """One request: its model, answered or not, seconds to its first token (or to its
+    failure); a failure's HTTP status (0: no answer) and error code."""
+
+    model: str
+    ok: bool
+    wait_s: float
+    status: int = 200
+    code: str = ""
+
+    @property
+    def failure(self) -> str:
+        """How it failed, as the table counts it: "503 model_loading"."""
+        return f"{self.status} {self.code}"
+
+
 # ---------------------------------------------------------------------------- daemons
 
 
@@ -93,8 +112,9 @@ class Box:
         self.d = d
         self.timeout = aiohttp.ClientTimeout(total=load_timeout_s + 60)
 
-    async def ttft(self, s: aiohttp.ClientSession, model: str) -> tuple[bool, float]:
-        """(answered, seconds to the first SSE event) of one 4-token chat stream."""
+    async def ttft(self, s: aiohttp.ClientSession, model: str) -> Asked:
+        """One 4-token chat stream: answered, seconds to its first SSE event (or to its
+        failure), and a failure's HTTP status and error code."""
         body = {"model": model, "messages": CHAT, "max_tokens": 4, "stream": True}
         headers = {**self.d.auth, "Content-Type": "application/json"}
         t0 = time.monotonic()
@@ -107,14 +127,16 @@ class Box:
                 timeout=self.timeout,
             ) as r:
                 if r.status != 200:
-                    await r.read()
-                    return False, time.monotonic() - t0
+                    code = _error_code(await r.read())
+                    return Asked(model, False, time.monotonic() - t0, r.status, code)
                 async for chunk in r.content.iter_any():
                     if not first and SSE_DATA in chunk:
                         first = time.monotonic() - t0
-            return first > 0, first
-        except (aiohttp.ClientError, TimeoutError, OSError):
-            return False, time.monotonic() - t0
+            if first > 0:
+                return Asked(model, True, first)
+            return Asked(model, False, time.monotonic() - t0, 200, "no_event")
+        except (aiohttp.ClientError, TimeoutError, OSError) as e:
+            return Asked(model, False, time.monotonic() - t0, 0, type(e).__name__)
 
     def states(self) -> dict[str, str]:
         return {m["name"]: m["state"] for m in self.d.status()["models"]}
@@ -143,6 +165,15 @@ class Box:
                 return
             await asyncio.sleep(0.1)
         raise RuntimeError(f"{models} not put away in {timeout_s:.0f} s: {self.states()}")
+
+
+def _error_code(raw: bytes) -> str:
+    """An error body's ``error.code`` (OpenAI's shape), or "?" when it has none."""
+    try:
+        code = json.loads(raw)["error"]["code"]
+    except (ValueError, KeyError, TypeError):
+        return "?"
+    return str(code) if code else "?"
 
 
 def _get_text(url: str, headers: dict[str, str]) -> tuple[int, str]:
@@ -204,6 +235,8 @@ def fake_daemon(args: argparse.Namespace) -> Iterator[Box]:
         with run_appliance(tmp, cfg, env=env) as app:
             yield Box(_admin(app, tmp, 60), LOAD_TIMEOUT_S)
     finally:
+        if args.journal and (tmp / "appliance.log").exists():
+            shutil.copyfile(tmp / "appliance.log", args.journal)
         shutil.rmtree(tmp, ignore_errors=True)
 
 
@@ -249,10 +282,10 @@ async def ttft_round(
         ("loaded", a),
         (f"{away}, other model loaded", b),
     ):
-        ok, took = await box.ttft(s, model)
-        if not ok:
-            raise RuntimeError(f"{model} ({state}) was not answered: {box.states()}")
-        out[state] = took
+        got = await box.ttft(s, model)
+        if not got.ok:
+            raise RuntimeError(f"{model} ({state}) failed ({got.failure}): {box.states()}")
+        out[state] = got.wait_s
     await box.put_away((a, b))
     return out
 
@@ -279,13 +312,6 @@ async def ttft_runs(
 # ---------------------------------------------------------------------------- swaps
 
 
-@dataclass(slots=True)
-class Asked:
-    model: str
-    ok: bool
-    wait_s: float
-
-
 async def swap_round(box: Box, slot: str, round_s: float) -> dict[str, Any]:
     """Two clients, one per model of ``slot``, back to back for ``round_s``."""
     models = pair(slot)
@@ -296,8 +322,7 @@ async def swap_round(box: Box, slot: str, round_s: float) -> dict[str, Any]:
 
     async def client(s: aiohttp.ClientSession, model: str) -> None:
         while time.monotonic() < deadline:
-            ok, took = await box.ttft(s, model)
-            asked.append(Asked(model, ok, took))
+            asked.append(await box.ttft(s, model))
 
     async with aiohttp.ClientSession(trust_env=False) as s:
         t0 = time.monotonic()
@@ -328,10 +353,20 @@ def swap_figures(args: argparse.Namespace, rounds: list[dict[str, Any]]) -> dict
             "minutes": round(minutes, 2),
             "answered": {m: sum(a.ok for a in asked if a.model == m) for m in pair(slot)},
             "failed": {m: sum(not a.ok for a in asked if a.model == m) for m in pair(slot)},
+            "failures": _failures(asked),
             "wait_p50_s": round(pct(waits, 50), 3),
             "wait_p99_s": round(pct(waits, 99), 3),
             "wait_max_s": round(max(waits, default=float("nan")), 3),
         }
+    return out
+
+
+def _failures(asked: list[Asked]) -> dict[str, dict[str, list[float]]]:
+    """Per model, per "status code": how long each failed request had waited (s)."""
+    out: dict[str, dict[str, list[float]]] = {}
+    for a in asked:
+        if not a.ok:
+            out.setdefault(a.model, {}).setdefault(a.failure, []).append(round(a.wait_s, 1))
     return out
 
 
@@ -346,7 +381,7 @@ async def run_fake(args: argparse.Namespace, parts: set[str], result: dict[str, 
         if "swaps" in parts:
             rounds = []
             for r in range(args.swap_rounds):
-                for slot in SLOTS:
+                for slot in args.slots.split(","):
                     rounds.append(await swap_round(box, slot, args.swap_round_s))
                     print(f"  swaps {slot}: round {r + 1}/{args.swap_rounds} done", flush=True)
             result["swaps"] = swap_figures(args, rounds)
@@ -367,12 +402,16 @@ def main() -> None:
     ap.add_argument("--residency-s", type=float, default=5.0, help="min_residency_s, when on")
     ap.add_argument("--swap-round-s", type=float, default=20.0)
     ap.add_argument("--swap-rounds", type=int, default=2, help="rounds per slot")
+    ap.add_argument("--slots", default=",".join(SLOTS), help="swaps: any of " + ",".join(SLOTS))
+    ap.add_argument("--journal", default="", help="keep the fake daemon's journal here")
     ap.add_argument("--no-wait", action="store_true", help="do not wait for a quiet machine")
     ap.add_argument("--json", default="", help="also write the figures to this file")
     ap.add_argument("--add-to", default="", help="start from an earlier run's --json file")
     ap.add_argument("--plot", default="", help="PNG chart (default: beside --json)")
     args = ap.parse_args()
     parts = set(args.parts.split(","))
+    if unknown := set(args.slots.split(",")) - set(SLOTS):
+        ap.error(f"--slots: no slot {', '.join(sorted(unknown))}; the slots: {', '.join(SLOTS)}")
     quiet = wait_for_quiet(0 if args.no_wait else 600)
     quiet.start_watching()
     t0 = time.monotonic()

@@ -100,7 +100,20 @@ def report(args: argparse.Namespace, quiet: Any, result: dict[str, Any]) -> str:
         parts.append(
             "Alternating two-model load on one slot:\n\n" + swap_table(result["swaps"]) + "\n"
         )
+        parts += failure_lines(result["swaps"])
     return "\n".join(parts)
+
+
+def failure_lines(figs: dict[str, dict[str, Any]]) -> list[str]:
+    """One line per slot whose requests failed: per model, per status and code, how many
+    and how long they had waited."""
+    out = []
+    for slot, f in figs.items():
+        for model, kinds in f.get("failures", {}).items():
+            for kind, waits in kinds.items():
+                shown = ", ".join(f"{w:g}" for w in waits[:10]) + (", …" if len(waits) > 10 else "")
+                out.append(f"- failed in {slot}: {model}: {len(waits)} × {kind} after {shown} s")
+    return out
 
 
 def chart(result: dict[str, Any], path: Path) -> None:

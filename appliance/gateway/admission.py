@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
@@ -107,6 +108,11 @@ class Admission:
     @property
     def queue_depth(self) -> int:
         return len(self._queue)
+
+    def queued_since(self, model: str) -> float | None:
+        """When the longest-waiting request for ``model`` began to wait (this clock,
+        monotonic); None: nobody waits for it."""
+        return self._queue.oldest(model)
 
     @property
     def queued(self) -> tuple[int, int]:
@@ -190,11 +196,12 @@ class Admission:
         load_wait_s: float | None = None,
     ) -> int:
         """An engine id (one of ``model``'s) with a slot reserved for this request;
-        release() it when done. ``load_wait_s``: the model is on demand and being loaded
-        for it; wait that long (whatever its engines' states now) instead of
-        gateway.queue_timeout_s."""
+        release() it when done. ``load_wait_s``: the model is on demand (its
+        load_timeout_s); while none of its engines serves (it is being loaded, or put
+        away for another model of its slot: a swap) the request may wait that long in
+        all, instead of gateway.queue_timeout_s."""
         self.check_cost(cost, model)
-        if load_wait_s is None:
+        if load_wait_s is None or self._serving(model):
             self._refuse_unless_open(exclude, model)
         elif not self._accepting():
             raise self._closed()
@@ -207,9 +214,7 @@ class Admission:
         waiter = Waiter(cost, session, exclude, batch, self._clock(), model)
         self._queue.add(waiter)
         self.kick()  # room may exist for it: waiters ahead may be waiting for more room
-        if load_wait_s is not None:
-            return await self._wait_in_queue(waiter, load_wait_s, loading=True)
-        return await self._wait_in_queue(waiter, g.queue_timeout_s)
+        return await self._wait_in_queue(waiter, g.queue_timeout_s, load_wait_s)
 
     def try_acquire(self, cost: int, session: str | None, model: str) -> int | None:
         """An engine of ``model`` reserved for this request if one has room at once (and
@@ -276,26 +281,30 @@ class Admission:
         if full and (batch or not self._queue.shed_newest_batch(shed)):
             raise self._reject(503, "the request queue is full", "queue_full", 5)
 
-    async def _wait_in_queue(self, waiter: Waiter, timeout_s: float, loading: bool = False) -> int:
+    def _serving(self, model: str | None) -> bool:
+        """Some engine of ``model`` serves now (READY, or SUSPECT: may pass its next check)."""
+        serving = (EngineState.READY, EngineState.SUSPECT)
+        return any(s.state in serving for s in candidates(model, self._engines()))
+
+    async def _wait_in_queue(
+        self, waiter: Waiter, timeout_s: float, load_wait_s: float | None = None
+    ) -> int:
         """The engine a release() or kick() hands the queued ``waiter``; 503 after
-        ``timeout_s`` (``loading``: its on-demand model did not load in time)."""
+        ``timeout_s``. For an on-demand model (``load_wait_s``) the bound is
+        ``load_wait_s`` from when its model is seen not serving, at the start or at a
+        deadline: a model put away while its requests wait (a swap) is loaded again for
+        them, and they wait for that load as long as a request that found it unloaded."""
+        began = time.monotonic()  # not self._clock: tests move that one by hand
+        limit = 0.0  # only grows: a request that waited for a load keeps that bound
         try:
-            return await asyncio.wait_for(asyncio.shield(waiter.future), timeout_s)
-        except TimeoutError:
-            if loading:
-                raise self._reject(
-                    503,
-                    f"the model '{waiter.model}' is not loaded: it did not load within "
-                    f"{timeout_s:g} s (load_timeout_s); retry later",
-                    "model_loading",
-                    10,
-                ) from None
-            raise self._reject(
-                503,
-                f"no engine{_of(waiter.model)} could take the request within {timeout_s:g} s",
-                "queue_timeout",
-                5,
-            ) from None
+            while True:
+                loading = load_wait_s is not None and not self._serving(waiter.model)
+                limit = max(limit, load_wait_s if loading and load_wait_s else timeout_s)
+                left = limit - (time.monotonic() - began)
+                if left <= 0:
+                    raise self._timed_out(waiter, limit, loading)
+                with contextlib.suppress(TimeoutError):
+                    return await asyncio.wait_for(asyncio.shield(waiter.future), left)
         except asyncio.CancelledError:
             # The client went away while queued. If a slot was handed over at the same
             # moment, give it back.
@@ -308,6 +317,22 @@ class Admission:
             raise
         finally:
             self._forget(waiter)
+
+    def _timed_out(self, waiter: Waiter, limit_s: float, loading: bool) -> GatewayError:
+        if loading:
+            return self._reject(
+                503,
+                f"the model '{waiter.model}' is not loaded: it did not load within "
+                f"{limit_s:g} s (load_timeout_s); retry later",
+                "model_loading",
+                10,
+            )
+        return self._reject(
+            503,
+            f"no engine{_of(waiter.model)} could take the request within {limit_s:g} s",
+            "queue_timeout",
+            5,
+        )
 
     def _forget(self, waiter: Waiter) -> None:
         self._queue.forget(waiter)

@@ -114,6 +114,9 @@ class Gateway:
     def engines_changed(self) -> None:
         self.admission.kick()
 
+    def queued_since(self, model: str) -> float | None:
+        return self.admission.queued_since(model)
+
     def abandon(self, engine_id: int, why: str) -> int:
         return self.relay.abandon(engine_id, why)
 

@@ -65,7 +65,7 @@ if TYPE_CHECKING:
     from appliance.gateway.app import Gateway
 
 log = logging.getLogger("appliance.gateway")
-LOAD_WAIT = "appliance_load_wait_s"  # request key: its on-demand model is loading for it
+LOAD_WAIT = "appliance_load_wait_s"  # request key: its on-demand model's load_timeout_s
 
 
 class Relay:
@@ -136,12 +136,13 @@ class Relay:
 
     # ---- state kept in one engine (stored_responses.py) ----------------------------------
     def _use_model(self, request: web.Request, model: str) -> None:
-        """Mark the model used; an on-demand model not loaded is asked for, and this
-        request waits for it up to its load_timeout_s (see _admit)."""
-        if self.gw.model_door.use_model(model):
-            return
+        """Mark the model used; an on-demand model not loaded is asked for. A request
+        for an on-demand model waits up to its load_timeout_s while the model is not
+        serving, loaded or not when the request came: it may be put away for another
+        model of its slot while the request waits (Admission.acquire)."""
+        self.gw.model_door.use_model(model)
         served = self.gw.appliance.config.model(model)
-        if served is not None:
+        if served is not None and served.on_demand:
             request[LOAD_WAIT] = {model: served.load_timeout_s}
 
     def _pinned(self, parsed: ParsedRequest, key_id: str) -> int | None:

@@ -52,6 +52,13 @@ class WaitQueue:
             return len(self) > 0
         return any(w.model == model for q in (self.interactive, self.batch) for w in q)
 
+    def oldest(self, model: str) -> float | None:
+        """When the longest-waiting request of ``model`` began to wait; None: nobody."""
+        return min(
+            (w.since for q in (self.interactive, self.batch) for w in q if w.model == model),
+            default=None,
+        )
+
     def add(self, waiter: Waiter) -> None:
         (self.batch if waiter.batch else self.interactive).append(waiter)
 

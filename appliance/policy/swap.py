@@ -15,7 +15,8 @@ life, one enum with a table of allowed moves, as an engine's::
 1. a LOADED model idle for its ``idle_unload_s`` (nothing in flight, nobody waiting for
    it) is put away: it frees the slot before anyone asks;
 2. a model somebody waits for, in a slot nobody else holds, is loaded (the one waiting
-   longest first);
+   longest first, its wait counted from no earlier than when it last left the slot:
+   :func:`turn_since`);
 3. otherwise the least recently used holder that has been loaded for its
    ``min_residency_s`` is drained: it takes no new work, its requests finish, and once
    nothing is in flight it is put away. Within the residency it stays, so two models
@@ -81,6 +82,7 @@ class ModelSnap:
     loaded_at: float | None  # when it last became LOADED
     idle_unload_s: float  # 0: never put away for idleness
     min_residency_s: float
+    left_at: float | None = None  # when it was last chosen to leave the slot (drained)
 
 
 @dataclass(frozen=True)
@@ -101,7 +103,7 @@ def decide(slot: Sequence[ModelSnap], now: float) -> list[Action]:
         return actions
     wanted = sorted(
         (m for m in slot if m.waiting_since is not None and m.state not in HOLDING),
-        key=lambda m: m.waiting_since or 0.0,
+        key=turn_since,
     )
     if not wanted:
         return []
@@ -123,6 +125,16 @@ def decide(slot: Sequence[ModelSnap], now: float) -> list[Action]:
             f"to make room for {first.name} (least recently used: last request {idle_s:.0f} s ago)",
         )
     ]
+
+
+def turn_since(m: ModelSnap) -> float:
+    """Since when a wanted model has waited for its turn: since it was first wanted, but
+    never since before it last left the slot. Fairness: under a steady load a model
+    drained to make room for another still has requests queued from while it held the
+    slot; counted from their arrival, they would win it back at once, ahead of the
+    model it made room for, which would never be served."""
+    since = m.waiting_since if m.waiting_since is not None else 0.0
+    return since if m.left_at is None else max(since, m.left_at)
 
 
 def _idle(m: ModelSnap, now: float) -> Action | None:

@@ -49,6 +49,7 @@ class _Model:
     used_wall: float | None = None  # time.time() of its last request
     waiting_since: float | None = None
     loaded_at: float | None = None
+    left_at: float | None = None  # last chosen to leave its slot (policy.swap.turn_since)
     load_began: float | None = None
     how: str = "cold"
     sleep_asked: bool = False
@@ -175,12 +176,24 @@ class ModelsOnDemand:
             name=s.name,
             state=m.state,
             inflight=sum(link.inflight(r.id) for r in m.runners),
-            waiting_since=m.waiting_since,
+            waiting_since=self._wanted_since(m, link),
             last_used=m.last_used,
             loaded_at=m.loaded_at,
             idle_unload_s=s.idle_unload_s,
             min_residency_s=s.min_residency_s,
+            left_at=m.left_at,
         )
+
+    def _wanted_since(self, m: _Model, link: GatewayLink) -> float | None:
+        """Since when somebody wants ``m``: a request that found it not loaded (or an
+        admin), or any request waiting in the gateway's queue for it, loaded or not
+        when it came: a model put away while its requests wait (a swap) is wanted back
+        for them. A model whose every engine is FAILED is wanted by new requests only
+        (each says it could not be loaded), not again on every tick by its queue."""
+        queued = link.queued_since(m.served.name)
+        if queued is None or all(r.state is EngineState.FAILED for r in m.runners):
+            return m.waiting_since
+        return queued if m.waiting_since is None else min(queued, m.waiting_since)
 
     def _follow(self, m: _Model, now: float) -> None:
         """Move the model on from what its engines' runners say."""
@@ -227,7 +240,7 @@ class ModelsOnDemand:
             self._move(m, ModelState.UNLOADING)
 
     def _put_away(self, m: _Model, why: str) -> None:
-        m.sleep_asked = m.served.swap == "sleep"
+        m.sleep_asked, m.left_at = m.served.swap == "sleep", time.monotonic()
         how = "put to sleep" if m.sleep_asked else "stopped"
         log.info("model %s: draining, then %s: %s", m.served.name, how, why)
         self._move(m, ModelState.DRAINING if m.state is ModelState.LOADED else ModelState.UNLOADING)

@@ -203,8 +203,8 @@ class EngineRunner(RunnerFace):
                 await self._stop(reason)
                 if self._host.stopping or reason is None:
                     break
-                if self._parking.down():
-                    continue  # put away, or died asleep: restarted when next loaded
+                if reason is RestartReason.UNLOAD or self._parking.down():
+                    continue  # put away (no restart, if wanted back at once), or died asleep
                 if self._book_restart(reason) and reason not in PLANNED_REASONS:
                     await waits.back_off(self.spec, self._host, self._book, self._inbox, reason)
         finally:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import pytest
 
@@ -334,3 +335,42 @@ async def test_a_request_no_engine_can_ever_take_is_400_at_once(
     assert err.status == 400 and err.code == "too_many_tokens"
     assert str(cost) in err.message and "fewer tokens" in err.message
     assert rejected == ["too_many_tokens"] and adm.queue_depth == 0
+
+
+async def test_an_on_demand_request_waits_for_its_model_put_away_while_it_waited() -> None:
+    # It came while its model served, but full; the model was then put away for another
+    # of its slot (a swap). Past queue_timeout_s it still waits (load_timeout_s, the
+    # load_wait_s here), and is served once the model is loaded again.
+    adm, snaps, rejected = make(n=1, max_inflight=1, queue_timeout_s=0.1)
+    first = await adm.acquire(10, load_wait_s=5.0)
+    waiter = asyncio.ensure_future(adm.acquire(10, load_wait_s=5.0))
+    await asyncio.sleep(0)
+    snaps[0] = replace(snaps[0], state=EngineState.DRAINING)
+    await asyncio.sleep(0.3)  # three queue timeouts
+    assert not waiter.done() and rejected == []
+    adm.release(first, 10)
+    snaps[0] = replace(snaps[0], state=EngineState.READY)  # loaded again
+    adm.kick()
+    assert await asyncio.wait_for(waiter, 1) == 0
+
+
+async def test_an_on_demand_request_waits_at_most_its_load_wait_then_model_loading() -> None:
+    adm, snaps, rejected = make(n=1, max_inflight=1, queue_timeout_s=0.05)
+    await adm.acquire(10, load_wait_s=0.2)
+    waiter = asyncio.ensure_future(adm.acquire(10, load_wait_s=0.2))
+    await asyncio.sleep(0)
+    snaps[0] = replace(snaps[0], state=EngineState.EXITED)  # put away, never back
+    with pytest.raises(GatewayError) as err:
+        await asyncio.wait_for(waiter, 2)
+    assert (err.value.status, err.value.code) == (503, "model_loading")
+    assert "within 0.2 s (load_timeout_s)" in err.value.message
+    assert rejected == ["model_loading"]
+
+
+async def test_an_on_demand_request_to_a_serving_full_model_times_out_as_any() -> None:
+    adm, _, rejected = make(n=1, max_inflight=1, queue_timeout_s=0.1)
+    await adm.acquire(10, load_wait_s=5.0)
+    with pytest.raises(GatewayError) as err:
+        await adm.acquire(10, load_wait_s=5.0)  # the model serves all along: 0.1 s
+    assert (err.value.status, err.value.code) == (503, "queue_timeout")
+    assert rejected == ["queue_timeout"]

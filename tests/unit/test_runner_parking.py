@@ -46,10 +46,26 @@ class One:
     sleeper: FakeSleeper
 
 
+class SlowToFree(FakeProcess):
+    """A GPU engine whose memory is not seen free after its stop until ``freed`` is set
+    (on a shared slot the other model, started meanwhile, holds the GPU's memory)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.freed = asyncio.Event()
+        self.freeing = False  # the runner waits for the memory now
+
+    async def wait_resources_free(self, *args: object, **kwargs: object) -> None:
+        self.freeing = True
+        await self.freed.wait()
+        self.freed.clear()
+        self.freeing = False
+
+
 @contextlib.asynccontextmanager
-async def parked_engine(**sections: object) -> AsyncIterator[One]:
+async def parked_engine(proc: FakeProcess | None = None, **sections: object) -> AsyncIterator[One]:
     host = FakeHost(parse_config({**CONFIG, **sections}))
-    proc, sleeper = FakeProcess(), FakeSleeper()
+    proc, sleeper = proc or FakeProcess(), FakeSleeper()
     argv = ("python", "-m", "vllm", "--max-num-batched-tokens", "8192")
     spec = EngineSpec(0, 0, EngineAddress(uds="/x/e0"), argv, "t-0", on_demand=True, gpus=(0,))
     runner = EngineRunner(spec, host, proc, FakeProbe(), sleeper=sleeper)
@@ -82,6 +98,25 @@ async def test_put_away_by_stop_it_drains_stops_and_stays_down_uncounted() -> No
         assert e.proc.spawns == 1 and len(e.proc.kills) == 1
         assert S.DRAINING in [s for _, s in e.host.seen]  # drained before it went
         assert e.runner.status().restarts == 0  # an unload is not a restart
+
+
+async def test_put_away_and_wanted_back_before_its_stop_ends_is_no_restart() -> None:
+    # Two models wanted in turn on one GPU without a residency: this engine's model is
+    # loaded again while its runner still waits for the GPU's memory after the stop.
+    # Each such turn was booked as a crash restart (with a backoff), until the engine
+    # was FAILED and its model never loaded again.
+    restart = {**CONFIG["restart"], "max_restarts_per_hour": 1}
+    proc = SlowToFree()
+    async with parked_engine(proc, restart=restart) as e:
+        e.runner.tell(Unpark())
+        for turn in range(1, 4):
+            await until(lambda t=turn: e.proc.spawns == t and e.runner.state is S.READY, "up")
+            e.runner.tell(Park(sleep=False))
+            await until(lambda: proc.freeing, "stopped, waiting for its GPU memory")
+            e.runner.tell(Unpark())
+            proc.freed.set()
+        await until(lambda: e.proc.spawns == 4 and e.runner.state is S.READY, "up again")
+        assert e.runner.status().restarts == 0
 
 
 async def test_put_to_sleep_and_woken_it_is_never_restarted() -> None:

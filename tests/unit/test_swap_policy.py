@@ -48,6 +48,22 @@ CASES: list[tuple[str, list[ModelSnap], list[tuple[str, str]]]] = [
         [("load", "b")],
     ),
     (
+        "a model put away for another waits behind it, whatever its queue's age",
+        [
+            snap("a", waiting_since=NOW - 20, left_at=NOW - 2),
+            snap("b", waiting_since=NOW - 5),
+        ],
+        [("load", "b")],
+    ),
+    (
+        "a model that left long ago is first again by its wait",
+        [
+            snap("a", waiting_since=NOW - 20, left_at=NOW - 30),
+            snap("b", waiting_since=NOW - 5),
+        ],
+        [("load", "a")],
+    ),
+    (
         "the holder past its residency is drained for the wanted one",
         [snap("a", waiting_since=NOW - 1), snap("b", S.LOADED)],
         [("drain", "b")],
