@@ -75,7 +75,9 @@ ALLOWED_TRANSITIONS: Mapping[EngineState, frozenset[EngineState]] = {
     EngineState.SLEEPING: frozenset({EngineState.READY, EngineState.STOPPING, EngineState.EXITED}),
     EngineState.STOPPING: frozenset({EngineState.EXITED}),
     EngineState.EXITED: frozenset({EngineState.STARTING, EngineState.FAILED}),
-    EngineState.FAILED: frozenset({EngineState.STARTING}),
+    # An admin's restart: started at once, or (its on-demand model not loaded) down
+    # until the model is next loaded.
+    EngineState.FAILED: frozenset({EngineState.STARTING, EngineState.EXITED}),
 }
 
 

@@ -201,8 +201,8 @@ class Admission:
         away for another model of its slot: a swap) the request may wait that long in
         all, instead of gateway.queue_timeout_s."""
         self.check_cost(cost, model)
-        if load_wait_s is None or self._serving(model):
-            self._refuse_unless_open(exclude, model)
+        if load_wait_s is None or self._serving(model) or self._failed(model):
+            self._refuse_unless_open(exclude, model)  # every engine FAILED: no load to wait
         elif not self._accepting():
             raise self._closed()
         g = self._config().gateway
@@ -261,9 +261,22 @@ class Admission:
             s.state in MAY_SERVE_SOON and s.id not in exclude
             for s in candidates(model, self._engines())
         ):
-            raise self._reject(
-                503, f"no engine{_of(model)} is ready to take requests", "no_engine", 10
-            )
+            raise self._no_engine(model)
+
+    def _no_engine(self, model: str | None) -> GatewayError:
+        return self._reject(
+            503, f"no engine{_of(model)} is ready to take requests", "no_engine", 10
+        )
+
+    def _failed(self, model: str | None) -> bool:
+        """Every engine of ``model`` is FAILED: none serves it until an admin restarts one."""
+        engines = candidates(model, self._engines())
+        return bool(engines) and all(s.state is EngineState.FAILED for s in engines)
+
+    def refuse_failed(self) -> None:
+        """Refuse the waiters of a model whose every engine is FAILED now, not at their
+        timeout (an on-demand model's would wait for a load that cannot come)."""
+        self._queue.fail_models(self._failed, self._no_engine)
 
     def _make_room_in_queue(self, batch: bool, max_queue: int) -> None:
         """Refuse a waiter the queue has no room for, or shed the newest batch waiter
@@ -316,7 +329,7 @@ class Admission:
                 self.release(waiter.future.result(), waiter.cost)
             raise
         finally:
-            self._forget(waiter)
+            self._queue.forget(waiter)
 
     def _timed_out(self, waiter: Waiter, limit_s: float, loading: bool) -> GatewayError:
         if loading:
@@ -333,9 +346,6 @@ class Admission:
             "queue_timeout",
             5,
         )
-
-    def _forget(self, waiter: Waiter) -> None:
-        self._queue.forget(waiter)
 
     def _route(
         self,

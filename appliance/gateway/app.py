@@ -113,6 +113,7 @@ class Gateway:
 
     def engines_changed(self) -> None:
         self.admission.kick()
+        self.admission.refuse_failed()
 
     def queued_since(self, model: str) -> float | None:
         return self.admission.queued_since(model)

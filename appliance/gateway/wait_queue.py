@@ -87,6 +87,18 @@ class WaitQueue:
                 if not w.future.done():
                     w.future.set_exception(error())
 
+    def fail_models(
+        self, which: Callable[[str | None], bool], error: Callable[[str | None], BaseException]
+    ) -> None:
+        """Refuse everyone waiting for a model ``which`` picks (asked once per model)."""
+        models = {w.model for q in (self.interactive, self.batch) for w in q}
+        for model in filter(which, models):
+            for queue in (self.interactive, self.batch):
+                for w in [w for w in queue if w.model == model]:
+                    queue.remove(w)
+                    if not w.future.done():
+                        w.future.set_exception(error(model))
+
     def serve(
         self,
         now: float,

@@ -85,6 +85,8 @@ class ModelsOnDemand:
         m.last_used, m.used_wall = time.monotonic(), time.time()
         if m.state is ModelState.LOADED:
             return True
+        if self._failed(m):
+            return False  # nothing to load until an admin restarts one: the gateway says so
         if m.waiting_since is None:
             m.waiting_since = m.last_used
             self._asked.set()
@@ -188,10 +190,10 @@ class ModelsOnDemand:
         """Since when somebody wants ``m``: a request that found it not loaded (or an
         admin), or any request waiting in the gateway's queue for it, loaded or not
         when it came: a model put away while its requests wait (a swap) is wanted back
-        for them. A model whose every engine is FAILED is wanted by new requests only
-        (each says it could not be loaded), not again on every tick by its queue."""
+        for them. A model whose every engine is FAILED is wanted by an admin's load only:
+        requests for it are refused at once (no_engine) until an admin restarts one."""
         queued = link.queued_since(m.served.name)
-        if queued is None or all(r.state is EngineState.FAILED for r in m.runners):
+        if queued is None or self._failed(m):
             return m.waiting_since
         return queued if m.waiting_since is None else min(queued, m.waiting_since)
 
@@ -208,12 +210,26 @@ class ModelsOnDemand:
             log.error("model %s: could not be loaded (every engine FAILED)", m.served.name)
             self._move(m, ModelState.UNLOADED)
             m.waiting_since = None
+            for r in m.runners:  # an admin's restart leaves them down until the next load
+                r.tell(Park(sleep=False))
         elif m.state is ModelState.DRAINING and not any(s in UP for s in states):
             self._move(m, ModelState.UNLOADING)  # drained: its engines are going down
-        if m.state is ModelState.UNLOADING and all(s in GONE for s in states):
+        if m.state is ModelState.UNLOADING and self._gone(m):
             asleep = m.sleep_asked and all(s is EngineState.SLEEPING for s in states)
             self._move(m, ModelState.SLEEPING if asleep else ModelState.UNLOADED)
             log.info("model %s: %s", m.served.name, "asleep" if asleep else "unloaded")
+
+    @staticmethod
+    def _failed(m: _Model) -> bool:
+        return bool(m.runners) and all(r.state is EngineState.FAILED for r in m.runners)
+
+    @staticmethod
+    def _gone(m: _Model) -> bool:
+        """Its engines are down (or asleep) and their GPUs seen free: the next model of
+        the slot may start. A stopped engine's memory can outlive it for seconds (vLLM's
+        EngineCore after its API server, vllm#55510); a model started meanwhile could not
+        allocate its KV cache. The runner waits for it (bounded) and says so."""
+        return all(r.state in GONE and not r.releasing for r in m.runners)
 
     def _loaded(self, m: _Model, now: float) -> None:
         took = now - (m.load_began or now)

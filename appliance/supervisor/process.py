@@ -326,19 +326,38 @@ class EngineProcess:
         # vLLM's orphans used to keep GPU memory after the API server died (vllm#55510);
         # a new engine started before it is released fails to allocate its KV cache.
         deadline = time.monotonic() + GPU_MEMORY_WAIT_S
-        busy: list[int] = []
+        said, busy = False, list[tuple[int, GpuReading | None]]()
         while time.monotonic() < deadline and not stopping():
-            busy = [g for g, r in zip(self.spec.gpus, readings(), strict=True) if _in_use(r)]
+            now = readings()
+            busy = [(g, r) for g, r in zip(self.spec.gpus, now, strict=True) if _in_use(r)]
             if not busy:
                 return
+            if not said:
+                log.info("%s: waiting for GPU %s memory to be freed", self.spec.name, _gpus(busy))
+                said = True
             await asyncio.sleep(poll_s)
-        if busy:
+        if said and not stopping():
             log.warning(
-                "%s: GPU %s memory still in use after %.0f s; starting anyway",
+                "%s: GPU %s memory still in use after %.0f s (%s); going on anyway",
                 self.spec.name,
-                ",".join(map(str, busy)),
+                _gpus(busy),
                 GPU_MEMORY_WAIT_S,
+                _holders(busy),
             )
+
+
+def _gpus(busy: Sequence[tuple[int, GpuReading | None]]) -> str:
+    return ",".join(str(g) for g, _ in busy)
+
+
+def _holders(busy: Sequence[tuple[int, GpuReading | None]]) -> str:
+    """Who holds the memory, as NVML tells (pids), for the journal."""
+    pids = sorted({p for _, r in busy if r is not None and r.pids for p in r.pids})
+    if pids:
+        return "held by pid " + ", ".join(map(str, pids))
+    if all(r is not None and r.pids == () for _, r in busy):
+        return "NVML lists no process holding it"
+    return "NVML does not tell which processes hold it"
 
 
 def _in_use(r: GpuReading | None) -> bool:

@@ -90,6 +90,7 @@ class EngineRunner(RunnerFace):
         self._ready_since: float | None = None
         self._asked = AskedChecks()  # the gateway's CheckNow askers, for the next check
         self._parking = Parking(spec, sleeper)  # on demand: down until its model is loaded
+        self.releasing = False  # stopped, its port or GPU memory not yet seen free
         self._lora = lora or EngineAdapters(spec, None, None)  # synced before READY
         # The telemetry entries of its GPUs, fixed by the spec: the heat loop asks every
         # reading, and needs no whole status copy for it.
@@ -196,6 +197,9 @@ class EngineRunner(RunnerFace):
                     await self._inbox.nap(None)  # down until an admin asks for a restart
                     if self._host.stopping or self._plan.requested is None:
                         continue
+                    if self._parking.parked:  # an admin's restart while its model is not
+                        self._book.fresh_budget()  # loaded: down, not FAILED, until it is
+                        self._set_state(EngineState.EXITED)
                 if self._parking.parked:  # its model is not loaded: down until it is
                     await self._inbox.nap(None)
                     continue
@@ -390,11 +394,6 @@ class EngineRunner(RunnerFace):
             self._set_state(EngineState.EXITED)
         if host.stopping:
             return
-        gpus = self.spec.gpus
-        await self._inbox.busy(
-            self._process.wait_resources_free(
-                lambda: [host.gpu_reading(g) for g in gpus],
-                lambda: host.stopping,
-                host.config.telemetry.interval_s,
-            )
-        )
+        self.releasing = True  # its GPUs are not free yet: its model's slot waits for that
+        await waits.resources_free(self.spec, host, self._process, self._inbox)
+        self.releasing = False

@@ -112,3 +112,17 @@ def give_up_hung_requests(spec: EngineSpec, host: RunnerHost) -> None:
             spec.name,
             moved,
         )
+
+
+async def resources_free(
+    spec: EngineSpec, host: RunnerHost, proc: ProcessHandle, inbox: Inbox
+) -> None:
+    """Until the stopped engine's port and GPU memory are free (bounded; said in the
+    journal while it waits, and if it gives up)."""
+    await inbox.busy(
+        proc.wait_resources_free(
+            lambda: [host.gpu_reading(g) for g in spec.gpus],
+            lambda: host.stopping,
+            host.config.telemetry.interval_s,
+        )
+    )

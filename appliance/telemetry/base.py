@@ -35,6 +35,9 @@ class GpuReading:
     throttle_reasons: tuple[str, ...] = ()
     name: str | None = None
     uuid: str | None = None
+    # Pids of the compute processes holding its memory (NVML's list): who to name when
+    # the memory an engine left is not freed.
+    pids: tuple[int, ...] | None = None
 
 
 class TelemetryError(Exception):

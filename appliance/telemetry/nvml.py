@@ -331,6 +331,9 @@ class NvmlSource:
                 device, "SM clock", lambda: int(nvml.nvmlDeviceGetClockInfo(h, nvml.NVML_CLOCK_SM))
             )
             mask = self._sensor(device, "clock event reasons", lambda: self._reasons_mask(h))
+            procs = self._sensor(
+                device, "processes", lambda: nvml.nvmlDeviceGetComputeRunningProcesses(h)
+            )
         except _GpuLost as lost:
             device.handle = None
             self._mark_lost(device, f"GPU is lost ({lost})")
@@ -347,6 +350,7 @@ class NvmlSource:
             throttle_reasons=() if mask is None else decode_clock_reasons(mask, self._reasons),
             name=device.name,
             uuid=device.uuid,
+            pids=None if procs is None else tuple(int(p.pid) for p in procs),
         )
 
     def _reinit(self) -> bool:

@@ -374,3 +374,26 @@ async def test_an_on_demand_request_to_a_serving_full_model_times_out_as_any() -
         await adm.acquire(10, load_wait_s=5.0)  # the model serves all along: 0.1 s
     assert (err.value.status, err.value.code) == (503, "queue_timeout")
     assert rejected == ["queue_timeout"]
+
+
+async def test_an_on_demand_model_whose_every_engine_failed_is_refused_at_once() -> None:
+    # Its waiters (and new requests) would wait out load_timeout_s for a load that cannot
+    # come: every engine FAILED. They get no_engine at once, naming the model; a waiter
+    # for a model still being loaded is left waiting.
+    adm, snaps, rejected = make(n=1, states=[EngineState.EXITED])
+    snaps[0] = replace(snaps[0], model="m")
+    waiter = asyncio.ensure_future(adm.acquire(10, model="m", load_wait_s=60.0))
+    await asyncio.sleep(0)
+    adm.refuse_failed()  # being loaded: it waits on
+    await asyncio.sleep(0)
+    assert not waiter.done() and adm.queue_depth == 1
+    snaps[0] = replace(snaps[0], state=EngineState.FAILED)
+    adm.refuse_failed()  # the supervisor's call when an engine changes state
+    with pytest.raises(GatewayError) as err:
+        await asyncio.wait_for(waiter, 1)
+    assert (err.value.status, err.value.code) == (503, "no_engine")
+    assert "model 'm'" in err.value.message
+    with pytest.raises(GatewayError) as err:
+        await asyncio.wait_for(adm.acquire(10, model="m", load_wait_s=60.0), 1)
+    assert (err.value.status, err.value.code) == (503, "no_engine")
+    assert rejected == ["no_engine", "no_engine"] and adm.queue_depth == 0

@@ -49,6 +49,7 @@ EXPECTED_MOVES = {
     (S.EXITED, S.STARTING),  # restarted after backoff
     (S.EXITED, S.FAILED),  # restart budget spent
     (S.FAILED, S.STARTING),  # admin restart
+    (S.FAILED, S.EXITED),  # admin restart, its on-demand model not loaded
     (S.DRAINING, S.SLEEPING),  # on demand, swap = "sleep": drained, then put to sleep
     (S.SLEEPING, S.READY),  # woken: its model is wanted again
     (S.SLEEPING, S.STOPPING),  # unloaded for good, or the daemon stops

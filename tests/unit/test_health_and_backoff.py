@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 from typing import Any
@@ -486,3 +487,30 @@ def test_metric_sums_reads_lines_as_the_prometheus_parser_does(names: set[str]) 
     assert got.keys() == want.keys()
     for name, value in want.items():
         assert got[name] == value or (math.isnan(got[name]) and math.isnan(value))
+
+
+async def test_gpu_memory_never_freed_is_said_with_its_holders_and_the_wait_ends(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # An engine's memory that outlives it (vllm#55510) is waited for, bounded: the
+    # journal says it waits, then names the pids NVML lists, and the wait ends.
+    from appliance.endpoint import EngineAddress
+    from appliance.engine import EngineSpec
+    from appliance.supervisor import process
+    from appliance.telemetry import GpuReading
+
+    monkeypatch.setattr(process, "GPU_MEMORY_WAIT_S", 0.2)
+    gib = 1 << 30
+    spec = EngineSpec(
+        id=0, gpu=0, address=EngineAddress(uds="/x.sock"), argv=(), tag="t", gpus=(0,)
+    )
+    held = GpuReading(0, memory_used_bytes=20 * gib, memory_total_bytes=24 * gib, pids=(77, 78))
+    caplog.set_level(logging.INFO, "appliance.supervisor")
+    proc = process.EngineProcess(spec)
+    await asyncio.wait_for(proc.wait_resources_free(lambda: [held], lambda: False, 0.01), 5)
+    said = [r.getMessage() for r in caplog.records]
+    assert any(m.endswith(": waiting for GPU 0 memory to be freed") for m in said), said
+    assert any(
+        "GPU 0 memory still in use after 0 s (held by pid 77, 78); going on anyway" in m
+        for m in said
+    ), said

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from appliance.config import parse_config
 from appliance.endpoint import EngineAddress
 from appliance.engine import EngineSpec, EngineState
-from appliance.supervisor.commands import Nudge, Park, Unpark
+from appliance.supervisor.commands import Nudge, Park, Restart, Unpark
 from appliance.supervisor.heat import HeatWatch
 from appliance.supervisor.runner import EngineRunner
 from appliance.telemetry import GpuReading
@@ -117,6 +117,43 @@ async def test_put_away_and_wanted_back_before_its_stop_ends_is_no_restart() -> 
             proc.freed.set()
         await until(lambda: e.proc.spawns == 4 and e.runner.state is S.READY, "up again")
         assert e.runner.status().restarts == 0
+
+
+async def test_stopped_its_engine_says_it_is_releasing_until_its_gpu_memory_is_free() -> None:
+    # What its model's owner waits for before the next model of the slot may start: the
+    # engine is EXITED at once, but its GPU memory is not free yet.
+    proc = SlowToFree()
+    async with parked_engine(proc) as e:
+        e.runner.tell(Unpark())
+        await until(lambda: e.runner.state is S.READY, "started")
+        assert not e.runner.releasing
+        e.runner.tell(Park(sleep=False))
+        await until(lambda: proc.freeing, "stopped, waiting for its GPU memory")
+        assert e.runner.state is S.EXITED and e.runner.releasing
+        proc.freed.set()
+        await until(lambda: not e.runner.releasing, "its GPU memory seen free")
+
+
+async def test_an_admin_restart_of_a_failed_parked_engine_leaves_it_down_until_loaded() -> None:
+    # Its model could not be loaded (every engine FAILED) and was parked; an admin fixed
+    # the cause and restarted it: no longer FAILED (requests may load it again), but not
+    # started before its model is loaded, with a fresh crash budget.
+    restart = {**CONFIG["restart"], "max_restarts_per_hour": 1}
+    async with parked_engine(restart=restart) as e:
+        e.runner.tell(Unpark())
+        for spawns in (1, 2):
+            await until(lambda n=spawns: e.proc.spawns == n and e.runner.state is S.READY, "up")
+            e.proc.crash()
+        await until(lambda: e.runner.state is S.FAILED, "FAILED")
+        e.runner.tell(Park(sleep=False))
+        assert (await e.runner.ask(Restart())).ok
+        await until(lambda: e.runner.state is S.EXITED, "down, no longer FAILED")
+        await asyncio.sleep(0.2)
+        assert e.proc.spawns == 2
+        e.runner.tell(Unpark())
+        await until(lambda: e.proc.spawns == 3 and e.runner.state is S.READY, "loaded")
+        e.proc.crash()  # the budget is fresh: restarted, not FAILED
+        await until(lambda: e.proc.spawns == 4 and e.runner.state is S.READY, "restarted")
 
 
 async def test_put_to_sleep_and_woken_it_is_never_restarted() -> None:

@@ -52,6 +52,7 @@ def two_gpus() -> list[FakeGpu]:
             utilization_pct=87,
             sm_clock_mhz=2520,
             clock_reasons=reasons("sw_power_cap", "hw_slowdown"),
+            processes=((4242, 2_000_000_000), (4343, None)),
         ),
         FakeGpu(name="NVIDIA GeForce RTX 4090", uuid="GPU-bbbb", temperature_c=51),
     ]
@@ -94,8 +95,10 @@ def test_readings_are_decoded_into_si_units_and_reason_names(fake: FakeNvml) -> 
         throttle_reasons=("sw_power_cap", "hw_slowdown"),
         name="NVIDIA GeForce RTX 4090",
         uuid="GPU-aaaa",
+        pids=(4242, 4343),
     )
     assert second.index == 1
+    assert second.pids == ()
     assert second.temperature_c == 51.0
     assert second.throttle_reasons == ()
     source.close()
