@@ -390,10 +390,10 @@ class EngineRunner(RunnerFace):
         timeout = waits.stop_grace_s(self.spec, host, reason)
         why = reason.value if reason is not None else "the daemon is stopping"
         await self._inbox.busy(self._process.kill_tree(timeout, why))
+        self.releasing = not host.stopping  # before EXITED: its model's owner reads both
         if self._state is not EngineState.FAILED:
             self._set_state(EngineState.EXITED)
         if host.stopping:
             return
-        self.releasing = True  # its GPUs are not free yet: its model's slot waits for that
         await waits.resources_free(self.spec, host, self._process, self._inbox)
         self.releasing = False
