@@ -67,10 +67,10 @@ class Box:
                 return e.code, dict(e.headers), raw.decode(errors="replace")
 
     def chat(
-        self, model: str, max_tokens: int = 2, **extra: Any
+        self, model: str, max_tokens: int = 2, timeout: float = 60, **extra: Any
     ) -> tuple[int, dict[str, str], Any]:
         body = {"model": model, "messages": MSGS, "max_tokens": max_tokens, **extra}
-        return self.call("POST", "/v1/chat/completions", body)
+        return self.call("POST", "/v1/chat/completions", body, timeout)
 
     def models(self) -> dict[str, dict[str, Any]]:
         code, _, body = self.call("GET", "/admin/status")
@@ -118,7 +118,7 @@ def box(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Box]:
         {
             "name": "broken",
             **on_demand,
-            "load_timeout_s": 2,
+            "load_timeout_s": 600,  # never waited out: it fails at once (no_engine)
             "command": [*command, "--exit-immediately", "3"],
         },
     ]
@@ -265,9 +265,19 @@ def test_a_request_waits_at_most_load_timeout_s_then_503_naming_the_model(box: B
 
 
 def test_a_model_whose_engine_dies_while_starting_503s_and_frees_the_slot(box: Box) -> None:
-    code, _, body = box.chat("broken")
-    assert code == 503 and "'broken'" in body["error"]["message"]
+    # Its engine exits at start until the crash budget is spent (FAILED): the request
+    # waiting for its load is refused then, not after load_timeout_s (600 s), and so is
+    # every later one, at once, without another load tried or logged.
+    code, _, body = box.chat("broken", timeout=120)
+    assert code == 503 and body["error"]["code"] == "no_engine", body
+    assert "model 'broken'" in body["error"]["message"]
     box.wait_state("broken", "unloaded")
     assert "model broken: could not be loaded" in box.app.log()
+    tries = box.app.log().count("model broken: loading")
+    for _ in range(3):
+        code, headers, body = box.chat("broken", timeout=10)
+        assert (code, body["error"]["code"]) == (503, "no_engine"), body
+        assert "model 'broken'" in body["error"]["message"] and "Retry-After" in headers
+    assert box.app.log().count("model broken: loading") == tries
     assert box.chat("chat")[0] == 200  # the always model never noticed
     assert box.chat("a")[0] == 200  # and the slot is free for the others
