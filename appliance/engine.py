@@ -13,7 +13,7 @@ out of step with another flag::
         │  passes) │  ▼                      │
         │        SUSPECT ───────────────────┤
         └───────────────────────────────────┘
-                        FAILED ──(admin restart)──► STARTING
+    FAILED ──(admin restart)──► STARTING | EXITED (on demand: its model not loaded)
     DRAINING ──► SLEEPING ──► READY (woken) | STOPPING | EXITED   (swap = "sleep")
 
 SUSPECT is a READY engine that failed its last health check: it gets no new work at
