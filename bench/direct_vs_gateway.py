@@ -8,7 +8,7 @@ round, so a machine that gets busier mid-run weighs on both paths alike.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +21,8 @@ PATHS = ("direct", "gateway")
 Send = Callable[[aiohttp.ClientSession, str, str, int], Awaitable[Result]]
 # (concurrency, path) -> (every result, seconds measured)
 Samples = dict[tuple[int, str], tuple[list[Result], float]]
+# (concurrency, path) -> each round's (results, seconds), in order
+Rounds = dict[tuple[int, str], list[tuple[list[Result], float]]]
 
 
 async def alternate(
@@ -34,24 +36,60 @@ async def alternate(
 ) -> Samples:
     """``rounds`` rounds of ``round_s`` seconds per path at each concurrency of ``levels``,
     after a short warm-up of each path (connections open, engine warm)."""
+    loads = await alternate_loads(d, engine_id, levels, rounds, round_s, {"": send}, unit)
+    return merged(loads[""])
+
+
+async def alternate_loads(
+    d: Daemon,
+    engine_id: int,
+    levels: Sequence[int],
+    rounds: int,
+    round_s: float,
+    sends: Mapping[str, Send],
+    unit: str,
+) -> dict[str, Rounds]:
+    """:func:`alternate` for several loads (routes, say) in one run: at each concurrency,
+    each round runs every load in turn, direct and gateway, the order of the two flipped
+    from one load and one round to the next, so the loads share the machine's moods too."""
     url, key = d.engine_url(engine_id), d.engine_key(engine_id)
-    samples: Samples = {}
+    out: dict[str, Rounds] = {name: {} for name in sends}
     async with client_session() as gw, client_session(d.engine_address(engine_id)) as direct:
 
-        def one(path: str) -> Callable[[int], Awaitable[Result]]:
+        def one(send: Send, path: str) -> Callable[[int], Awaitable[Result]]:
             s, base, k = (direct, url, key) if path == "direct" else (gw, d.url, d.admin_key)
             return lambda w: send(s, base, k, w)
 
-        for path in PATHS:
-            await closed_loop(max(levels), 3.0, one(path))
+        for send in sends.values():
+            for path in PATHS:
+                await closed_loop(max(levels), 3.0, one(send, path))
         for c in levels:
             for r in range(rounds):
-                for path in PATHS if r % 2 == 0 else PATHS[::-1]:
-                    results, elapsed = await closed_loop(c, round_s, one(path))
-                    before, spent = samples.get((c, path), ([], 0.0))
-                    samples[(c, path)] = (before + results, spent + elapsed)
+                for i, (name, send) in enumerate(sends.items()):
+                    for path in PATHS if (r + i) % 2 == 0 else PATHS[::-1]:
+                        got = await closed_loop(c, round_s, one(send, path))
+                        out[name].setdefault((c, path), []).append(got)
             print(f"  {c} {unit} done", flush=True)
-    return samples
+    return out
+
+
+def merged(rounds: Rounds) -> Samples:
+    """Every round's results of a path and concurrency together, and their seconds."""
+    return {
+        k: ([r for results, _ in got for r in results], sum(s for _, s in got))
+        for k, got in rounds.items()
+    }
+
+
+def round_ratios(rounds: Rounds, c: int, m: Measure) -> list[float]:
+    """Gateway over direct, round by round (the same round of both paths), at ``c``."""
+    ratios = []
+    pairs = zip(rounds[(c, "direct")], rounds[(c, "gateway")], strict=True)
+    for (dres, ds), (gres, gs) in pairs:
+        drate = m.rate_of([r for r in dres if r.ok], ds) if ds else 0.0
+        grate = m.rate_of([r for r in gres if r.ok], gs) if gs else 0.0
+        ratios.append(grate / drate if drate else float("nan"))
+    return ratios
 
 
 @dataclass(frozen=True)

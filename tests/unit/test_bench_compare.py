@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from bench._common import Result
-from bench.direct_vs_gateway import Measure, Samples, compare
+from bench.direct_vs_gateway import Measure, Rounds, Samples, compare, merged, round_ratios
 
 PER_REQUEST = Measure(
     "clients", "req/s", "req_s", "latency", lambda ok, s: len(ok) / s, lambda r: r.total
@@ -36,3 +36,14 @@ def test_a_path_that_measured_nothing_has_no_rate_rather_than_a_crash() -> None:
     table, figures = compare([1], samples, PER_REQUEST)
     assert table.rows[0][3] == "nan"
     assert figures["1"]["req_s"][1] == 1.0
+
+
+def test_rounds_merge_and_give_their_ratio_round_by_round() -> None:
+    rounds: Rounds = {
+        (8, "direct"): [(results(10, 0, 0.1), 1.0), (results(20, 0, 0.1), 1.0)],
+        (8, "gateway"): [(results(9, 1, 0.1), 1.0), (results(21, 0, 0.1), 1.0)],
+    }
+    assert round_ratios(rounds, 8, PER_REQUEST) == [pytest.approx(0.9), pytest.approx(1.05)]
+    samples = merged(rounds)
+    assert len(samples[(8, "gateway")][0]) == 31 and samples[(8, "gateway")][1] == 2.0
+    assert compare([8], samples, PER_REQUEST)[1]["8"]["ratio"] == pytest.approx(1.0)
