@@ -17,7 +17,9 @@ a GPU box, where the engine's work is on the GPU.
 
 Several routes (``--route chat,responses,messages``) are measured in one run, each round
 running every route in turn, so they are compared under the same load on the machine;
-a last table gives each route's ratio round by round (its spread is the run's noise).
+a last table gives each route's ratio round by round (its spread is the run's noise)
+and the daemon's CPU per relayed event (net: less its background rate, measured in the
+direct rounds).
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ from bench.direct_vs_gateway import (
     Send,
     alternate_loads,
     compare,
+    daemon_cpu_per_event,
     merged,
     round_ratios,
 )
@@ -130,7 +133,16 @@ TOKENS = Measure("streams", "tokens/s", "tok_s", "TTFT", streamed_tokens, lambda
 def summary(args: argparse.Namespace, loads: dict[str, Rounds]) -> Table:
     """Per route and concurrency: the ratio of all rounds together, and round by round
     (their median shrugs off a round that another process on the machine spoilt)."""
-    t = Table(["route", "streams", "ratio gw/direct", "per round", "rounds' median / mean"])
+    t = Table(
+        [
+            "route",
+            "streams",
+            "ratio gw/direct",
+            "per round",
+            "rounds' median / mean",
+            "daemon CPU µs/event raw / net",
+        ]
+    )
     for route, rounds in loads.items():
         for c in args.levels:
             per = round_ratios(rounds, c, TOKENS)
@@ -141,6 +153,7 @@ def summary(args: argparse.Namespace, loads: dict[str, Rounds]) -> Table:
                 f"{whole:.3f}",
                 " ".join(f"{r:.3f}" for r in per),
                 f"{statistics.median(per):.3f} / {statistics.fmean(per):.3f}",
+                "{:.1f} / {:.1f}".format(*daemon_cpu_per_event(rounds, c)),
             )
     return t
 
