@@ -79,6 +79,11 @@ class Route:
         return self.client_paths[0]
 
 
+# A JSON count as a byte pattern: no sign, no leading zero, no fraction (the readers'
+# patterns follow it with a fixed byte, so "3.5" or "1e3" never match).
+COUNT = rb"(0|[1-9]\d*)"
+
+
 def bad_request(message: str, param: str | None = None) -> GatewayError:
     return GatewayError(400, message, param=param, code="invalid_request", reason="bad_request")
 
@@ -107,6 +112,17 @@ def positive(body: Mapping[str, Any], name: str, limit: int | None) -> int | Non
     if limit is not None and value > limit:
         raise bad_request(f"'{name}' = {value} is above this server's limit of {limit}", name)
     return value
+
+
+def sse_event_name(payload: bytes) -> bytes | None:
+    """The name on an SSE event's ``event:`` line when the event starts with one (vLLM
+    writes it first on every Responses and Messages event), else None. Framing, never
+    generated text (that is on the ``data:`` line): a reader skips by it, unparsed,
+    the events that cannot carry its counts."""
+    if not payload.startswith(b"event:"):
+        return None
+    end = payload.find(b"\n")
+    return payload[6 : end if end >= 0 else len(payload)].strip()
 
 
 def sse_data(payload: bytes) -> Any:

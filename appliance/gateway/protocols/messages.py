@@ -26,6 +26,7 @@ What the ``anthropic`` SDK and Claude Code send. The key may come as ``x-api-key
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -43,12 +44,14 @@ from appliance.gateway.cost import (
 )
 from appliance.gateway.errors import anthropic_error_body
 from appliance.gateway.protocols.base import (
+    COUNT,
     Route,
     answer_json,
     bad_request,
     no_usage,
     positive,
     sse_data,
+    sse_event_name,
 )
 from appliance.gateway.protocols.tools import anthropic_calls_tools
 from appliance.gateway.usage_events import EventUsage, Usage, is_count
@@ -56,6 +59,25 @@ from appliance.gateway.usage_events import EventUsage, Usage, is_count
 PATHS = ("/v1/messages", "/v1/messages/count_tokens")
 MEDIA_BLOCKS = ("image", "document")  # not bounded by their bytes
 CACHE_FIELDS = ("cache_read_input_tokens", "cache_creation_input_tokens")
+USAGE_EVENTS = frozenset((b"message_start", b"message_delta"))
+# vLLM 0.32's two events with counts, whole, as it writes them (pydantic's field order,
+# exclude_unset: the cache fields only when the engine counted them). Every quote is a
+# key's or a plain string's, none escaped, so no generated text can match; any other
+# shape (a stop sequence with an escape, other fields) is parsed.
+_USAGE = (
+    rb'"usage":\{"input_tokens":' + COUNT + rb',"output_tokens":' + COUNT
+    + rb'(?:,"cache_creation_input_tokens":' + COUNT
+    + rb')?(?:,"cache_read_input_tokens":' + COUNT + rb")?\}"
+)  # fmt: skip
+_VLLM_START = re.compile(
+    rb'event: message_start\ndata: \{"type":"message_start","message":\{"id":"[^"\\]*",'
+    rb'"type":"message","role":"assistant","content":\[\],"model":"[^"\\]*",'
+    rb'"stop_reason":null,"stop_sequence":null,' + _USAGE + rb"\}\}\s*\Z"
+)
+_VLLM_DELTA = re.compile(
+    rb'event: message_delta\ndata: \{"type":"message_delta","delta":\{"stop_reason":'
+    rb'(?:null|"[a-z_]*"),"stop_sequence":(?:null|"[^"\\]*")\},' + _USAGE + rb"\}\s*\Z"
+)
 
 
 def _check_input(body: Mapping[str, Any]) -> None:
@@ -153,6 +175,20 @@ def _answer_usage(body: bytes) -> Usage | None:
 
 
 def _event_usage(payload: bytes) -> EventUsage | None:
+    """``message_start`` carries the prompt's count, ``message_delta`` the final ones;
+    any other event is skipped by its event line, unparsed. vLLM's own two are read off
+    their bytes (:data:`_VLLM_START`, :data:`_VLLM_DELTA`); any other shape is parsed."""
+    name = sse_event_name(payload)
+    if name is not None and name not in USAGE_EVENTS:
+        return None
+    m = _VLLM_DELTA.match(payload) or _VLLM_START.match(payload)
+    if m is not None:
+        prompt = int(m[1]) + int(m[3] or 0) + int(m[4] or 0)  # + cached: the prompt run
+        return EventUsage(prompt, None if m.re is _VLLM_START else int(m[2]))
+    return _parsed_event_usage(payload)
+
+
+def _parsed_event_usage(payload: bytes) -> EventUsage | None:
     obj = sse_data(payload)
     if not isinstance(obj, dict):
         return None

@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import json
+import re
 import secrets
 from collections.abc import Mapping
 from typing import Any
@@ -37,17 +38,41 @@ from appliance.gateway.cost import (
     text_tokens,
 )
 from appliance.gateway.protocols.base import (
+    COUNT,
     Route,
     StateRef,
     answer_json,
     bad_request,
     positive,
     sse_data,
+    sse_event_name,
 )
 from appliance.gateway.protocols.tools import openai_calls_tools
 from appliance.gateway.usage_events import EventUsage, Usage, is_count
 
 ID_PREFIX = "resp_"
+# The events that carry the response's final usage (the stream's last).
+USAGE_EVENTS = frozenset((b"response.completed", b"response.incomplete", b"response.failed"))
+# vLLM 0.32's final event ends with the response's usage and its last fields (pydantic's
+# order), then the event's own two: matched from the last ``,"usage":{"input_tokens":``
+# to the payload's end. Every quote in it is a key's or a plain string's, none escaped,
+# so none of it can be generated text (whose quotes are escaped); the last ``}`` closes
+# the event, so the object closed just before ``"sequence_number"`` is the event's last
+# object value, its ``response`` (vLLM's event has no other), and "usage" is that
+# object's own key, not a nested one. Any other shape (a vLLM with other fields, an
+# echoed ``kv_transfer_params``, a ``user`` with an escape) fails the match and is parsed.
+_USAGE_KEY = b',"usage":{"input_tokens":'
+_DETAILS = rb'(?:null|\{(?:"[a-z_]+":(?:null|\d+|\[[\d,]*\])(?:,(?="))?)*\})'
+_FLOAT = rb"-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?"
+_VLLM_END = re.compile(
+    re.escape(_USAGE_KEY) + COUNT + rb',"input_tokens_details":' + _DETAILS
+    + rb',"output_tokens":' + COUNT + rb',"output_tokens_details":' + _DETAILS
+    + rb',"total_tokens":\d+\},"user":(?:null|"[^"\\]*"),"presence_penalty":' + _FLOAT
+    + rb',"frequency_penalty":' + _FLOAT
+    + rb',"kv_transfer_params":null,"ec_transfer_params":null,"input_messages":null,'
+    rb'"output_messages":null\},"sequence_number":\d+,'
+    rb'"type":"response\.(?:completed|incomplete|failed)"\}\s*\Z'
+)  # fmt: skip
 MEDIA_TYPES = ("input_image", "input_file", "input_audio")  # not bounded by their bytes
 
 
@@ -127,7 +152,16 @@ def _answer_usage(body: bytes) -> Usage | None:
 
 def _event_usage(payload: bytes) -> EventUsage | None:
     """``response.completed`` (or ``.incomplete``/``.failed``) carries the response, and
-    its ``usage``; the first events carry ``"usage":null``."""
+    its ``usage``; the first events carry ``"usage":null`` and are skipped by their event
+    line, unparsed. vLLM's own final event is read off its bytes (:data:`_VLLM_END`);
+    any other shape is parsed."""
+    name = sse_event_name(payload)
+    if name is not None and name not in USAGE_EVENTS:
+        return None
+    at = payload.rfind(_USAGE_KEY)
+    end = _VLLM_END.match(payload, at) if at >= 0 else None
+    if end is not None:
+        return EventUsage(int(end[1]), int(end[2]))
     obj = sse_data(payload)
     got = _usage(obj.get("response")) if isinstance(obj, dict) else None
     return None if got is None else EventUsage(got.prompt, got.completion)
