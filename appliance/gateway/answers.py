@@ -22,7 +22,8 @@ from appliance.gateway.failures import Attempt
 from appliance.gateway.http1 import AnswerTooLarge
 from appliance.gateway.protocols import ROUTES
 from appliance.gateway.request_body import ParsedRequest
-from appliance.gateway.usage_events import Metering, Usage, usage_of_answer
+from appliance.gateway.usage_counts import Usage, usage_of_answer
+from appliance.gateway.usage_events import Metering
 
 log = logging.getLogger("appliance.gateway")
 

@@ -21,7 +21,7 @@ from appliance.config import GatewayConfig
 from appliance.gateway.errors import GatewayError
 from appliance.gateway.json_bounds import TooMuchStructure, check_structure, may_exceed
 from appliance.gateway.protocols import ROUTES, StateRef
-from appliance.gateway.usage_events import UsagePlan, insert_stream_usage, plan_usage
+from appliance.gateway.usage_plan import UsagePlan, insert_stream_usage, plan_usage
 from appliance.policy.routing import session_key
 
 

@@ -29,7 +29,8 @@ from dataclasses import dataclass
 
 from appliance.control import EngineStatus
 from appliance.gateway.errors import GatewayError
-from appliance.gateway.usage_events import EventUsage, Usage, UsagePlan
+from appliance.gateway.usage_counts import EventUsage, Usage
+from appliance.gateway.usage_plan import UsagePlan
 
 MAX_KEPT = 100_000  # ids remembered: ~200 bytes each
 # A retrieve or cancel runs no model, and the response's tokens were counted when it was

@@ -39,7 +39,8 @@ from prometheus_client import CollectorRegistry, Counter
 
 from appliance.fsutil import SAFE_OPEN, FileWriteError, atomic_write
 from appliance.gateway.ratelimit import RateLimiter
-from appliance.gateway.usage_events import charged, is_count
+from appliance.gateway.usage_counts import is_count
+from appliance.gateway.usage_events import charged
 from appliance.state_writes import WriteHealth, iso
 
 if TYPE_CHECKING:

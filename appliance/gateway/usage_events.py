@@ -2,11 +2,10 @@
 
 vLLM sends a stream's usage only when asked (``stream_options.include_usage``): then, just
 before ``data: [DONE]``, one event with ``"choices":[]`` and ``"usage":{...}``. So the
-gateway asks for it on every streamed chat and completions request (:func:`plan_usage`)
-and, when the client did not ask, takes that event out of what the client receives
-(:class:`StreamTap`), so the client's stream is byte for byte what vLLM would have sent
-without ``include_usage``. vLLM's ``continuous_usage_stats`` is never turned on: it would
-put a usage object in every token event.
+gateway asks for it on every streamed chat and completions request
+(usage_plan.plan_usage) and, when the client did not ask, takes that event out of what
+the client receives (:class:`StreamTap`), so the client's stream is byte for byte what
+vLLM would have sent without ``include_usage``.
 
 One more difference has to be undone. vLLM 0.32 stamps ``system_fingerprint`` on an
 answer's finishing events (``"finish_reason":"..."``) only without ``include_usage``; with
@@ -40,7 +39,7 @@ the mark ``"usage"`` is every shape's key anyway.
 the key's count in the relay's one ``finally`` per try (proxy.py): the engine's own count
 when it came; nothing when the engine failed before any byte reached the client (retried,
 or a 502/504: the engine's failure, not the key's) or answered an error; else an upper
-bound never below what the engine did (:attr:`UsagePlan.prompt_bound`, and the token
+bound never below what the engine did (:attr:`usage_plan.UsagePlan.prompt_bound`, and the token
 events read for a stream, everything the request allowed for a whole answer).
 """
 
@@ -48,18 +47,16 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeGuard
+from typing import Any
 
-from appliance.gateway.cost import prompt_bound
 from appliance.gateway.http1 import scan_chunks
+from appliance.gateway.usage_counts import USAGE_MARK, EventUsage, Usage, usage_of
+from appliance.gateway.usage_plan import UsagePlan
 
-USAGE_MARK = b'"usage"'
 FINISH_MARK = b'"finish_reason":"'
 DATA_PREFIX = b"data: "
-STREAM_USAGE = b'"stream_options":{"include_usage":true},'
-ROUTES_WITH_STREAM_USAGE = ("chat", "completions")
 
 # vLLM's usage event, as its pydantic models write it (model_dump_json, fields in their
 # declared order, exclude_none): the top-level fields before "choices" are matched one by
@@ -82,142 +79,6 @@ FINGERPRINT_NAME = b'"system_fingerprint"'
 VLLM_FIRST = b'data: {"id":"'  # how every event vLLM streams starts (its id comes first)
 COMPACT = (b",", b":")  # JSON separators: vLLM's
 SPACED = (b", ", b": ")  # json.dumps' default
-
-
-@dataclass(frozen=True, slots=True)
-class UsagePlan:
-    """What the gateway does about a request's token counts."""
-
-    added: bool  # the gateway asked for the stream's usage event: strip it from the client's
-    fields: dict[str, Any]  # the request, for the upper bound (only needed when cut off)
-    route: str
-    stream: bool
-    max_model_len: int  # of the model it goes to: no prompt is counted above it
-    completion_bound: int = 0  # the most it may generate (cost.py): a whole answer cut off
-    rewrite: bool = False  # the body must be re-serialised (the client sent stream_options)
-    preamble: int = 0  # events before the first token: a chat stream's role event
-    # The route's own readers (protocols/): its prompt bound, its stream events' counts,
-    # a whole answer's counts. None: chat, completions and embeddings' (this module's).
-    bound: Callable[[Mapping[str, Any], int], int] | None = None
-    reader: Callable[[bytes], EventUsage | None] | None = None
-    answer: Callable[[bytes], Usage | None] | None = None
-
-    @property
-    def prompt_bound(self) -> int:
-        """The prompt tokens counted when the engine's count never comes: never fewer than
-        the engine counted (cost.prompt_bound says why). Worked out only then."""
-        try:
-            if self.bound is not None:
-                return self.bound(self.fields, self.max_model_len)
-            return prompt_bound(self.route, self.fields, self.max_model_len)
-        except Exception:  # already checked by request_cost: never fail a request here
-            return self.max_model_len
-
-    def answer_usage(self, body: bytes) -> Usage | None:
-        """The engine's counts in a whole answer's body, as this route writes them."""
-        return usage_of_answer(body) if self.answer is None else self.answer(body)
-
-
-def plan_usage(
-    route: str,
-    stream: bool,
-    body: dict[str, Any],
-    max_model_len: int,
-    completion_bound: int = 0,
-    *,
-    preamble: int | None = None,
-    bound: Callable[[Mapping[str, Any], int], int] | None = None,
-    reader: Callable[[bytes], EventUsage | None] | None = None,
-    answer: Callable[[bytes], Usage | None] | None = None,
-) -> UsagePlan:
-    """Ask for the stream's usage event when the client did not (``body`` is updated);
-    what the upper bound needs is kept, for a request cut off before its count. Routes
-    whose streams always carry their counts (protocols/) are asked nothing. The route's
-    own readers (``preamble`` .. ``answer``, see UsagePlan) go in the plan as it is made:
-    one object per request, not a copy with them put in."""
-    if preamble is None:
-        preamble = 1 if route == "chat" else 0
-
-    def plan(added: bool, rewrite: bool = False) -> UsagePlan:
-        return UsagePlan(
-            added,
-            body,
-            route,
-            stream,
-            max_model_len,
-            completion_bound,
-            rewrite,
-            preamble,
-            bound,
-            reader,
-            answer,
-        )
-
-    if not stream or route not in ROUTES_WITH_STREAM_USAGE:
-        return plan(False)
-    options = body.get("stream_options")
-    if isinstance(options, dict) and options.get("include_usage") is True:
-        return plan(False)  # the client reads it too
-    if isinstance(options, dict):
-        # continuous_usage_stats would take effect with include_usage: keep it off.
-        body["stream_options"] = {**options, "include_usage": True, "continuous_usage_stats": False}
-        return plan(True, rewrite=True)
-    if options is not None:
-        return plan(False)  # not an object: vLLM refuses it
-    # "stream_options": null in the client's bytes would win over a field put first (the
-    # last of two equal keys wins): then the body is written anew.
-    written = "stream_options" in body
-    body["stream_options"] = {"include_usage": True}
-    return plan(True, rewrite=written)
-
-
-def insert_stream_usage(raw: bytes) -> bytes | None:
-    """The client's bytes with ``stream_options`` added as the first field, or None when
-    the body is not plain UTF-8 JSON starting with ``{`` (then it is re-serialised)."""
-    start = len(raw) - len(raw.lstrip(b" \t\r\n"))
-    if raw[start : start + 1] != b"{" or json.detect_encoding(raw) != "utf-8":
-        return None  # json.loads also reads UTF-16 and UTF-32, where ASCII cannot go in
-    return raw[: start + 1] + STREAM_USAGE + raw[start + 1 :]
-
-
-@dataclass(frozen=True, slots=True)
-class Usage:
-    prompt: int
-    completion: int
-
-
-@dataclass(frozen=True, slots=True)
-class EventUsage:
-    """The counts one stream event carries (a protocol's reader, protocols/)."""
-
-    prompt: int
-    completion: int | None  # None: the prompt's count only, so far (Anthropic's message_start)
-
-
-def usage_of(obj: Any) -> Usage | None:
-    """The counts in an answer's (or a usage event's) ``usage`` object, if well formed."""
-    usage = obj.get("usage") if isinstance(obj, dict) else None
-    if not isinstance(usage, dict):
-        return None
-    prompt = usage.get("prompt_tokens")
-    completion = usage.get("completion_tokens") or 0  # embeddings: absent or null
-    if not (is_count(prompt) and is_count(completion)):
-        return None
-    return Usage(prompt, completion)
-
-
-def is_count(v: Any) -> TypeGuard[int]:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
-
-
-def usage_of_answer(body: bytes) -> Usage | None:
-    """The counts in a non-streamed answer body (chat, completions, embeddings)."""
-    if USAGE_MARK not in body:
-        return None
-    try:
-        return usage_of(json.loads(body))
-    except (ValueError, UnicodeDecodeError, RecursionError):
-        return None
 
 
 def _event_json(payload: bytes) -> Any:

@@ -19,7 +19,7 @@ from appliance.gateway.stored_responses import (
     StoredResponses,
     replays_stream,
 )
-from appliance.gateway.usage_events import EventUsage, Usage
+from appliance.gateway.usage_counts import EventUsage, Usage
 
 
 @dataclass

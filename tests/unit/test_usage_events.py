@@ -15,13 +15,9 @@ import pytest
 
 from appliance.gateway import usage_events
 from appliance.gateway.http1 import count_whole_chunks, is_whole_chunks, scan_chunks
-from appliance.gateway.usage_events import (
-    StreamTap,
-    Usage,
-    insert_stream_usage,
-    plan_usage,
-    usage_of_answer,
-)
+from appliance.gateway.usage_counts import Usage, usage_of_answer
+from appliance.gateway.usage_events import StreamTap
+from appliance.gateway.usage_plan import insert_stream_usage, plan_usage
 
 FP = "vllm-0.32.0-1a2b3c4d"
 HEAD = '"id":"chatcmpl-1","object":"chat.completion.chunk","created":7,"model":"m"'

@@ -15,7 +15,9 @@ from prometheus_client import CollectorRegistry
 from appliance.gateway.answers import EngineCall
 from appliance.gateway.ratelimit import RateLimiter
 from appliance.gateway.usage import HOUR_S, KEEP_HOURS, UsageBook, read_usage, usage_path
-from appliance.gateway.usage_events import Metering, StreamTap, Usage, UsagePlan, plan_usage
+from appliance.gateway.usage_counts import Usage
+from appliance.gateway.usage_events import Metering, StreamTap
+from appliance.gateway.usage_plan import UsagePlan, plan_usage
 
 T0 = 1_700_000_000.0  # a fixed clock
 

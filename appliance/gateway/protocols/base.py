@@ -32,7 +32,7 @@ from typing import Any
 from appliance.config import GatewayConfig
 from appliance.gateway.cost import Cost
 from appliance.gateway.errors import GatewayError, Shape, sse_error_event
-from appliance.gateway.usage_events import EventUsage, Usage
+from appliance.gateway.usage_counts import EventUsage, Usage
 
 Check = Callable[[Mapping[str, Any]], None]
 Costing = Callable[[Mapping[str, Any], GatewayConfig, int], Cost]

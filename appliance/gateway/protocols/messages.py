@@ -54,7 +54,7 @@ from appliance.gateway.protocols.base import (
     sse_event_name,
 )
 from appliance.gateway.protocols.tools import anthropic_calls_tools
-from appliance.gateway.usage_events import EventUsage, Usage, is_count
+from appliance.gateway.usage_counts import EventUsage, Usage, is_count
 
 PATHS = ("/v1/messages", "/v1/messages/count_tokens")
 MEDIA_BLOCKS = ("image", "document")  # not bounded by their bytes

@@ -15,7 +15,7 @@ from appliance.config import GatewayConfig
 from appliance.gateway.cost import Cost, prompt_bound, request_cost
 from appliance.gateway.protocols.base import Route, bad_request
 from appliance.gateway.protocols.tools import openai_calls_tools
-from appliance.gateway.usage_events import usage_of_answer
+from appliance.gateway.usage_counts import usage_of_answer
 
 
 def _check(body: Mapping[str, Any]) -> None:

@@ -48,7 +48,7 @@ from appliance.gateway.protocols.base import (
     sse_event_name,
 )
 from appliance.gateway.protocols.tools import openai_calls_tools
-from appliance.gateway.usage_events import EventUsage, Usage, is_count
+from appliance.gateway.usage_counts import EventUsage, Usage, is_count
 
 ID_PREFIX = "resp_"
 # The events that carry the response's final usage (the stream's last).

@@ -19,7 +19,7 @@ from typing import Any
 from appliance.config import GatewayConfig
 from appliance.gateway.cost import MEDIA_PART_TOKENS, Cost, text_bound, text_tokens
 from appliance.gateway.protocols.base import Route, bad_request
-from appliance.gateway.usage_events import usage_of_answer
+from appliance.gateway.usage_counts import usage_of_answer
 
 SCORE_PAIRS: tuple[tuple[str, str], ...] = (
     ("queries", "documents"),
