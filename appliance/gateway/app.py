@@ -188,8 +188,8 @@ def create_app(appliance: Appliance, audit: AuditLog | None = None) -> web.Appli
     for route in ALL_ROUTES:  # every protocol's routes (protocols/), and no others
         for path in route.client_paths:
             r.add_post(path, gw.relay.handler_for(route))
-    r.add_get("/v1/responses/{response_id}", gw.relay.stored_response)
-    r.add_post("/v1/responses/{response_id}/cancel", gw.relay.stored_response)
+    r.add_get("/v1/responses/{response_id}", gw.relay.pinned.stored_response)
+    r.add_post("/v1/responses/{response_id}/cancel", gw.relay.pinned.stored_response)
     Admin(gw).add_routes(r)
     StatusPage(gw).install(app)  # /ui, / and /admin/history; its history sampler
     app.on_response_prepare.append(add_model_header)

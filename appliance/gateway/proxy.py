@@ -27,7 +27,7 @@ engines: a request is never sent to another model's engine.
 Several protocols: what is particular to a route (its input, cost and counts, its
 error shape) is its module's in :mod:`appliance.gateway.protocols`; the relay is the same
 for all. State that lives in one engine (a stored response) pins a request to that
-engine (:mod:`appliance.gateway.stored_responses`).
+engine (:mod:`appliance.gateway.pinned_relay`).
 
 Where the parts live: the request body is read and checked in request_body.py; the
 failure types in failures.py; what the client is sent in answers.py; the two ways to an
@@ -51,12 +51,11 @@ from appliance.gateway.answers import EngineCall
 from appliance.gateway.errors import GatewayError
 from appliance.gateway.failures import Attempt, EngineFailure, engine_error
 from appliance.gateway.fallback import REFUSE_HEADER, SERVED_BY, fallback_allowed
-from appliance.gateway.models import candidates, model_cards, resolve_named
+from appliance.gateway.models import model_cards, resolve_named
+from appliance.gateway.pinned_relay import PinnedRelay
 from appliance.gateway.protocols import ROUTES, Route
 from appliance.gateway.protocols.tools import tools_refusal
 from appliance.gateway.request_body import LOWERED, ParsedRequest, finish_body, open_body, read_body
-from appliance.gateway.stored_responses import REPLAY, Holder, StoredResponses, spawn_of
-from appliance.gateway.stored_responses import replays_stream as replays
 from appliance.gateway.via_client import relay_via_client
 from appliance.gateway.via_splice import relay_via_splice
 from appliance.policy.fallback import choose_fallback
@@ -74,7 +73,7 @@ class Relay:
     def __init__(self, gateway: Gateway) -> None:
         self.gw = gateway
         self._attempts: collections.defaultdict[int, set[Attempt]] = collections.defaultdict(set)
-        self.stored = StoredResponses()
+        self.pinned = PinnedRelay(gateway, self._relay, self._check_rate)
 
     def abandon(self, engine_id: int, why: str) -> int:
         """Give up on every request on an engine that stopped answering; how many.
@@ -125,16 +124,15 @@ class Relay:
         self._use_model(request, parsed.model)
         # before tpm: never charge what cannot run
         self.gw.admission.check_cost(parsed.cost, parsed.model)
-        pinned = self._pinned(parsed, record.id)
+        pinned = self.pinned.engine_for(parsed, record.id)
         self._check_rate(record, parsed.cost)
         batch = record.priority == "batch"
         if pinned is not None:
-            return await self._relay_pinned(request, path, parsed, started, batch, pinned)
+            return await self.pinned.relay(request, path, parsed, started, batch, pinned)
         if fallback and fallback_allowed(request.headers.get(REFUSE_HEADER), record.fallback):
             return await self._relay_with_failover(request, path, parsed, started, batch, fallback)
         return await self._relay_with_failover(request, path, parsed, started, batch)
 
-    # ---- state kept in one engine (stored_responses.py) ----------------------------------
     def _use_model(self, request: web.Request, model: str) -> None:
         """Mark the model used; an on-demand model not loaded is asked for. A request
         for an on-demand model waits up to its load_timeout_s while the model is not
@@ -144,75 +142,6 @@ class Relay:
         served = self.gw.appliance.config.model(model)
         if served is not None and served.on_demand:
             request[LOAD_WAIT] = {model: served.load_timeout_s}
-
-    def _pinned(self, parsed: ParsedRequest, key_id: str) -> int | None:
-        """The engine a request must go to (it reads a stored response), or None."""
-        config = self.gw.appliance.config
-        store = (config.engine_of(parsed.model).responses_store, bool(config.models))
-        needs = parsed.state.needs if parsed.state is not None else None
-        return self.stored.engine_for(needs, parsed.model, key_id, self._engine, store)
-
-    def _engine(self, engine_id: int) -> Any:
-        try:
-            return self.gw.appliance.engine(engine_id)
-        except IndexError:  # the engine was configured away (a reload)
-            return None
-
-    def _record_state(self, request: web.Request, parsed: ParsedRequest, engine_id: int) -> None:
-        made = parsed.state.made if parsed.state is not None else None
-        if made is not None and self.gw.appliance.config.engine_of(parsed.model).responses_store:
-            snap = self.gw.appliance.engine(engine_id)
-            held = Holder(engine_id, spawn_of(snap), request["key"].id, parsed.model)
-            self.stored.record(made, held)
-
-    async def _relay_pinned(
-        self,
-        request: web.Request,
-        path: str,
-        parsed: ParsedRequest,
-        started: float,
-        batch: bool,
-        engine_id: int,
-        method: str = "POST",
-    ) -> web.StreamResponse:
-        """Relay on ``engine_id`` alone: no fallback, no retry on another engine (which
-        would not hold the state the request reads)."""
-        gw = self.gw
-        others = frozenset(e.id for e in candidates(parsed.model, gw.appliance.engines()))
-        queued = time.monotonic()
-        got = await gw.admission.acquire(
-            parsed.cost,
-            batch=batch,
-            session=parsed.session,
-            exclude=others - {engine_id},
-            model=parsed.model,
-        )
-        gw.metrics.queue_wait.observe(time.monotonic() - queued)
-        try:
-            result = await self._relay(request, got, path, parsed, started, method)
-        finally:
-            gw.admission.release(got, parsed.cost)
-        if isinstance(result, web.StreamResponse):
-            return result
-        raise engine_error(result)
-
-    async def stored_response(self, request: web.Request) -> web.StreamResponse:
-        """``GET /v1/responses/{id}`` (``?stream=true``: its events again, as vLLM
-        streams them; spliced streams are POSTs only, so the client relay takes it) and
-        ``POST /v1/responses/{id}/cancel``: to the engine that made the response, for the
-        key that made it (else 404); nothing is counted again (REPLAY)."""
-        started = time.monotonic()
-        record = request["key"]
-        response_id = request.match_info["response_id"]
-        held = self.stored.holder(response_id, record.id, self._engine)
-        request["model"] = held.model
-        self._check_rate(record, 0)
-        stream = request.method == "GET" and replays(request.query.get("stream"))
-        parsed = ParsedRequest("responses", held.model, stream, 0, None, b"", REPLAY)
-        path = request.path + (f"?{request.query_string}" if request.query_string else "")
-        return await self._relay_pinned(
-            request, path, parsed, started, False, held.engine_id, request.method
-        )
 
     async def _parse(self, request: web.Request, route: str) -> tuple[ParsedRequest, str]:
         """The checked request, costed on the engines of the model it names (404 for no
@@ -391,7 +320,7 @@ class Relay:
         attempt = Attempt(asyncio.current_task())
         attempts = self._attempts[engine_id]
         attempts.add(attempt)
-        self._record_state(request, parsed, engine_id)
+        self.pinned.record(request, parsed, engine_id)
         request[LOWERED] = parsed.lowered  # X-Appliance-Max-Tokens (request_body.py)
         call = EngineCall(request, parsed, attempt, snap.address, path, headers, started, method)
         try:
