@@ -27,7 +27,8 @@ from typing import Protocol, runtime_checkable
 
 from appliance.config import Config
 from appliance.endpoint import EngineAddress
-from appliance.engine import CpuDtype, EngineState
+from appliance.engine import EngineState
+from appliance.engine_cpu import CpuDtype
 from appliance.telemetry import GpuReading
 
 

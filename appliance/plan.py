@@ -21,15 +21,8 @@ from appliance import paths
 from appliance.config import MAX_GPUS, Config, EngineConfig, ServedModel, on_demand
 from appliance.config.lora import with_lora
 from appliance.endpoint import EngineAddress, socket_path
-from appliance.engine import (
-    CpuDtype,
-    EngineSpec,
-    build_argv,
-    build_env,
-    choose_cpu_dtype,
-    cpu_core_sets,
-    omp_bind,
-)
+from appliance.engine import EngineSpec, build_argv, build_env
+from appliance.engine_cpu import CpuDtype, choose_cpu_dtype, cpu_core_sets, omp_bind
 from appliance.errors import ConfigError, EngineSetupError
 
 SETUP_HINT = "run `llm-appliance setup` (or `scripts/setup` in a checkout) to create it"

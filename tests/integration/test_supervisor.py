@@ -20,7 +20,7 @@ from typing import Any
 import psutil
 import pytest
 
-from appliance.engine import cpu_core_sets
+from appliance.engine_cpu import cpu_core_sets
 from tests.fakes.appliance_proc import (
     alive,
     fake_engine_config,

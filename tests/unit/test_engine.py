@@ -19,11 +19,9 @@ from appliance.engine import (
     build_argv,
     build_env,
     check_transition,
-    choose_cpu_dtype,
-    cpu_core_sets,
     new_api_key,
-    omp_bind,
 )
+from appliance.engine_cpu import choose_cpu_dtype, cpu_core_sets, omp_bind
 from appliance.errors import IllegalTransition
 
 S = EngineState

@@ -32,7 +32,8 @@ from appliance.control import (
     GpuStatus,
 )
 from appliance.endpoint import EngineAddress
-from appliance.engine import CpuDtype, EngineState
+from appliance.engine import EngineState
+from appliance.engine_cpu import CpuDtype
 from appliance.gateway import admin
 from appliance.gateway.app import GATEWAY, create_app
 from appliance.telemetry import GpuReading

@@ -9,7 +9,7 @@ import pytest
 
 from appliance import paths
 from appliance.config import Config, parse_config
-from appliance.engine import choose_cpu_dtype
+from appliance.engine_cpu import choose_cpu_dtype
 from appliance.errors import ConfigError, EngineSetupError
 from appliance.plan import (
     IOMP,
