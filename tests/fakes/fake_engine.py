@@ -257,6 +257,9 @@ class GpuWork:
         return None if torch is None else cls(torch)
 
     def _step(self) -> None:
+        # A worker thread has no current CUDA context until it sets one (else cuBLAS
+        # warns on every thread's first matmul).
+        self.torch.cuda.set_device(0)
         self.torch.matmul(self.a, self.b)
         self.torch.cuda.synchronize()
 

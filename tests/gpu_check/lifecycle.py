@@ -154,7 +154,7 @@ def heat(ctx: Ctx) -> Line:
     return Line("heat", True, text, figures)
 
 
-def ours_alive(ctx: Ctx, run_id: str) -> list[str]:
+def ours_alive(pids_seen: set[int], run_id: str) -> list[str]:
     """Processes of this run still alive: seen pids, and any carrying its mark."""
     left = []
     for proc in psutil.process_iter(["pid", "name"]):
@@ -163,7 +163,7 @@ def ours_alive(ctx: Ctx, run_id: str) -> list[str]:
         except psutil.Error:  # another user's process, or gone: not ours
             marked = False
         with contextlib.suppress(psutil.Error):
-            ours = marked or proc.pid in ctx.daemon.pids_seen
+            ours = marked or proc.pid in pids_seen
             if ours and proc.status() != psutil.STATUS_ZOMBIE:
                 left.append(f"{proc.info['name']} ({proc.pid})")
     return left
@@ -182,7 +182,7 @@ def cleanup(ctx: Ctx, run_id: str) -> Line:
             0.2,
         )
         back.append((s, now, when is not None))
-    left = ours_alive(ctx, run_id)
+    left = ours_alive(ctx.daemon.pids_seen, run_id)
     memory = ", ".join(
         f"GPU {s.index} {gib(n.memory_used)} (before {gib(s.memory_used)})" for s, n, _ in back
     )

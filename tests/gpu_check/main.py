@@ -28,9 +28,10 @@ from tests.gpu_check.daemon import REPO, CheckFailed, Daemon, base_config, daemo
 from tests.gpu_check.load import Load
 from tests.gpu_check.nvml_view import NvmlView
 from tests.gpu_check.report import Line, Report
+from tests.gpu_check.swap import SwapRun, swap
 
 SHARE = 0.3  # of each GPU's memory per engine: well above the supervisor's "free" (10 %)
-CHECKS = ("placement", "telemetry", "restart", "doctor", "heat", "cleanup")
+CHECKS = ("placement", "telemetry", "restart", "doctor", "heat", "cleanup", "swap")
 
 
 def _real_nvml() -> types.ModuleType | None:
@@ -126,14 +127,21 @@ def run(out: Path, python: str) -> Report:
             _checks(report, ctx)
         except Exception as exc:  # the daemon never came up: the checks left fail with it
             why = str(exc) if isinstance(exc, CheckFailed) else f"{type(exc).__name__}: {exc}"
-            for name in CHECKS[: len(CHECKS) - 1]:
+            for name in CHECKS[: CHECKS.index("cleanup")]:
                 if name not in {line.name for line in report.lines}:
                     report.add(Line(name, False, why))
         finally:
             _run_check(report, "cleanup", lambda: lifecycle.cleanup(ctx, run_id))
             with contextlib.suppress(OSError):
                 shutil.copy(daemon.log_path, out / "daemon.log")
-            view.close()
+        turns = SwapRun(work, python, engine_env, fake_dir, run_id, view, release_s)
+        if report.lines[-1].ok:
+            _run_check(report, "swap", lambda: swap(turns))
+        else:  # memory still held (or processes left) would stall or skew its turns
+            report.add(Line("swap", False, "not run: the first daemon did not clean up"))
+        with contextlib.suppress(OSError):
+            shutil.copy(work / "swap" / "daemon.log", out / "swap-daemon.log")
+        view.close()
         report.figures.update(
             ctx.figures,
             mode="fake" if fake_dir else "nvidia",
