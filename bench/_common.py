@@ -128,7 +128,10 @@ def vllm_processes() -> list[str]:
         ).stdout
     except (OSError, subprocess.TimeoutExpired):
         return []
+    # Ours: this process, its parent, and what it started (--router runs vllm-router).
     mine = {os.getpid(), os.getppid()}
+    with contextlib.suppress(psutil.Error):
+        mine |= {c.pid for c in psutil.Process().children(recursive=True)}
     lines = []
     for line in out.splitlines():
         pid, _, cmd = line.partition(" ")
