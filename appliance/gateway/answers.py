@@ -43,8 +43,10 @@ class EngineCall:
     meter: Metering = field(default_factory=Metering)  # what the try got, for its usage
 
 
-def stream_response(content_type: str) -> web.StreamResponse:
-    return web.StreamResponse(
+def stream_response(
+    content_type: str, kind: type[web.StreamResponse] = web.StreamResponse
+) -> web.StreamResponse:
+    return kind(
         status=200,
         headers={
             "Content-Type": content_type,

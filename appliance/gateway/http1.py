@@ -8,6 +8,7 @@ framing raises :class:`UpstreamError`, which the relay treats as a failed engine
 
 from __future__ import annotations
 
+import enum
 import re
 from dataclasses import dataclass
 
@@ -78,6 +79,26 @@ class Head:
     @property
     def keep_alive(self) -> bool:
         return "close" not in self.headers.get("connection", "").lower()
+
+
+class Framing(enum.Enum):
+    """How a response's body ends."""
+
+    CHUNKED = "chunked"
+    LENGTH = "length"  # after Content-Length bytes
+    UNTIL_CLOSE = "until-close"  # when the engine closes: the connection is not reused
+
+
+def body_framing(head: Head) -> tuple[Framing, int]:
+    """A response's framing, and its length where Content-Length gives it."""
+    if head.chunked:
+        return Framing.CHUNKED, 0
+    if "content-length" in head.headers:
+        try:
+            return Framing.LENGTH, int(head.headers["content-length"])
+        except ValueError:
+            raise UpstreamError("bad Content-Length from the engine") from None
+    return Framing.UNTIL_CLOSE, 0
 
 
 def parse_head(raw: bytes) -> Head:

@@ -38,8 +38,10 @@ from appliance.gateway.http1 import (
     MAX_HEAD_BYTES,
     AnswerTooLarge,
     ChunkTooLarge,
+    Framing,
     Head,
     UpstreamError,
+    body_framing,
     count_whole_chunks,
     parse_head,
     scan_chunks,
@@ -61,12 +63,6 @@ class _Phase(enum.Enum):
     DONE = "done"  # body read whole (then it may wait in the pool), or failed (``error``)
 
 
-class _Framing(enum.Enum):
-    CHUNKED = "chunked"
-    LENGTH = "length"
-    UNTIL_CLOSE = "until-close"
-
-
 class _Consumer(enum.Enum):
     PENDING = "pending"  # the relay has not decided yet: keep the bytes
     COLLECT = "collect"  # read the body whole (read_body)
@@ -81,7 +77,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._loop = asyncio.get_running_loop()
         self._buf = bytearray()
         self._phase = _Phase.IDLE
-        self._framing = _Framing.CHUNKED
+        self._framing = Framing.CHUNKED
         self._consumer = _Consumer.PENDING
         self._remaining = 0
         self._collected: list[bytes] = []
@@ -96,6 +92,9 @@ class UpstreamConnection(asyncio.Protocol):
         self.reusable = False
         self.idle_since = 0.0
         self.tap: StreamTap | None = None  # reads the spliced events' usage (usage_events)
+        self._head_out = b""  # the client's response head: goes with the first chunk
+        self._end_out = b""  # the client's body end: goes with the last chunk
+        self.ended_stream = False  # the end went out: the client's answer is whole
 
     # ---- asyncio.Protocol --------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -105,7 +104,7 @@ class UpstreamConnection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed = True
         self.reusable = False
-        if self._phase is _Phase.BODY and self._framing is _Framing.UNTIL_CLOSE:
+        if self._phase is _Phase.BODY and self._framing is Framing.UNTIL_CLOSE:
             self._advance()  # the close is the end of this body
             return
         if self._phase in (_Phase.HEAD, _Phase.BODY):
@@ -161,7 +160,7 @@ class UpstreamConnection(asyncio.Protocol):
         """The whole body of a non-streamed answer; AnswerTooLarge (and the connection
         closed) once it passes ``limit`` bytes, so no more than that is ever held."""
         self._body_limit = limit
-        if self._framing is _Framing.LENGTH and self._remaining > limit:
+        if self._framing is Framing.LENGTH and self._remaining > limit:
             self.abort("the engine's answer is too large")  # said up front: read none
             raise AnswerTooLarge(limit)
         self._consumer = _Consumer.COLLECT
@@ -181,11 +180,19 @@ class UpstreamConnection(asyncio.Protocol):
         if self.error is not None:
             raise self.error
 
-    def splice_to(self, sink: asyncio.WriteTransport) -> None:
-        """From now on whole chunks go straight to ``sink``; what is here goes now."""
+    def splice_to(self, sink: asyncio.WriteTransport, head: bytes = b"", end: bytes = b"") -> None:
+        """From now on whole chunks go straight to ``sink``; what is here goes now.
+        ``head`` goes with the first of them, ``end`` with the last once the engine's body
+        ended well (then ``ended_stream``): one write each fewer (stream_writes.py)."""
         self._sink = sink
+        self._head_out, self._end_out, self.ended_stream = head, end, False
         self._consumer = _Consumer.SPLICE
         self._advance()
+
+    def unsent_head(self) -> bytes:
+        """The head, if it has not gone out yet (the stream failed first): the caller's."""
+        head, self._head_out = self._head_out, b""
+        return head
 
     async def wait_spliced(self) -> None:
         """Until the spliced body has ended, keeping the client's buffer bounded."""
@@ -292,6 +299,8 @@ class UpstreamConnection(asyncio.Protocol):
         if sink.is_closing():
             self.abort("the client disconnected")  # closing is what makes vLLM abort
             return
+        if self._head_out:
+            wire, self._head_out = self._head_out + wire, b""
         sink.write(wire)
         if not self.paused and sink.get_write_buffer_size() > HIGH_WATER:
             self.paused = True
@@ -314,9 +323,9 @@ class UpstreamConnection(asyncio.Protocol):
             self._notify()  # the relay may be waiting for its first chunk
         elif self._consumer is _Consumer.SPLICE:
             self._splice_whole_chunks()
-        elif self._framing is _Framing.CHUNKED:
+        elif self._framing is Framing.CHUNKED:
             self._collect_chunks()
-        elif self._framing is _Framing.LENGTH:
+        elif self._framing is Framing.LENGTH:
             take = min(self._remaining, len(self._buf))
             self._keep([bytes(self._buf[:take])])
             del self._buf[:take]
@@ -338,18 +347,8 @@ class UpstreamConnection(asyncio.Protocol):
             return False
         head = parse_head(bytes(self._buf[:end]))
         del self._buf[: end + 4]
-        self.reusable = head.keep_alive
-        if head.chunked:
-            self._framing = _Framing.CHUNKED
-        elif "content-length" in head.headers:
-            try:
-                self._remaining = int(head.headers["content-length"])
-            except ValueError:
-                raise UpstreamError("bad Content-Length from the engine") from None
-            self._framing = _Framing.LENGTH
-        else:
-            self._framing = _Framing.UNTIL_CLOSE
-            self.reusable = False
+        self._framing, self._remaining = body_framing(head)
+        self.reusable = head.keep_alive and self._framing is not Framing.UNTIL_CLOSE
         self._phase = _Phase.BODY
         assert self._head is not None
         if not self._head.done():
@@ -365,6 +364,8 @@ class UpstreamConnection(asyncio.Protocol):
             last = bytes(self._buf[:terminal])
             if self.tap is not None:
                 last = self.tap.last(last)
+            if self._end_out:
+                last, self.ended_stream = last + self._end_out, True
             if last:
                 self._emit(last)
             del self._buf[:end]

@@ -24,6 +24,12 @@ from appliance.gateway.answers import (
 from appliance.gateway.failures import RETRYABLE_STATUS, EngineFailure, failure_if_abandoned
 from appliance.gateway.http1 import Head, UpstreamError, request_bytes
 from appliance.gateway.splice import UpstreamConnection
+from appliance.gateway.stream_writes import (
+    CHUNKED_END,
+    HeldHeadResponse,
+    ended_by_caller,
+    take_head,
+)
 from appliance.gateway.upstream_pool import UpstreamPool
 from appliance.gateway.usage_events import StreamTap
 
@@ -43,11 +49,15 @@ async def relay_via_splice(gw: Gateway, call: EngineCall) -> web.StreamResponse 
         head = await _until_first_chunk(gw, call, conn)
         if not isinstance(head, Head):
             return head  # a whole answer, or a failure to retry elsewhere
-        resp = stream_response(head.headers.get("content-type", "text/event-stream"))
+        resp = stream_response(
+            head.headers.get("content-type", "text/event-stream"), HeldHeadResponse
+        )
         resp.enable_chunked_encoding()
         ended = await _splice_stream(gw, call, conn, resp)
     finally:
         pool.release(call.address, conn)
+    if ended and conn.ended_stream:
+        ended_by_caller(resp)
     if ended:
         with contextlib.suppress(ConnectionError):
             await resp.write_eof()
@@ -107,17 +117,21 @@ async def _splice_stream(
     request = call.client
     try:
         await resp.prepare(request)
-        await resp.write(b"")  # the head now: the engine's chunks follow it as they are
         gw.metrics.first_byte(call.parsed.route, call.parsed.model, call.started)
         transport = request.transport
         if transport is None:
             raise UpstreamError("the client disconnected")
-        conn.splice_to(transport)  # a closing client transport aborts it at once
+        # The head goes with the first chunk and the end with the last (stream_writes.py);
+        # a closing client transport aborts the splice at once.
+        conn.splice_to(transport, take_head(resp), CHUNKED_END)
         await conn.wait_spliced()
     except UpstreamError as exc:
         transport = request.transport
         if transport is None or transport.is_closing():
             request["status"] = 499  # the client went away: nothing to tell it
             return False
+        head = conn.unsent_head()
+        if head:  # failed before its first chunk went: the head goes before the error
+            transport.write(head)
         await end_with_error_event(call, resp, str(exc))
     return True

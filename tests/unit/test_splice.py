@@ -216,6 +216,69 @@ async def test_a_stream_is_spliced_whole_chunks_only_and_the_connection_reused()
         pool.close()
 
 
+class RecordingSink:
+    """The client's transport, with each write kept: what went in which system call."""
+
+    def __init__(self, transport: asyncio.Transport) -> None:
+        self.transport = transport
+        self.writes: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self.writes.append(bytes(data))
+        self.transport.write(data)
+
+    def is_closing(self) -> bool:
+        return self.transport.is_closing()
+
+    def get_write_buffer_size(self) -> int:
+        return self.transport.get_write_buffer_size()
+
+
+async def test_the_head_goes_with_the_first_chunk_and_the_end_with_the_last() -> None:
+    """One write fewer at each end of a stream than aiohttp makes (stream_writes.py)."""
+    events = [chunk(b"data: %d\n\n" % i) for i in range(3)]
+    pieces: list[bytes | None] = [OK_HEAD + events[0], events[1], events[2] + b"0\r\n\r\n"]
+    async with engine([pieces]) as eng:
+        conn = await streaming(eng)
+        async with client_socket() as (transport, far):
+            sink = RecordingSink(transport)
+            conn.splice_to(sink, b"HTTP/1.1 200 OK\r\n\r\n", b"0\r\n\r\n")  # type: ignore[arg-type]
+            await conn.wait_spliced()
+            got = await read_all(far, until=b"0\r\n\r\n")
+        assert sink.writes == [
+            b"HTTP/1.1 200 OK\r\n\r\n" + events[0],
+            events[1],
+            events[2] + b"0\r\n\r\n",
+        ]
+        assert got == b"".join(sink.writes)
+        assert conn.ended_stream and conn.finished and conn.unsent_head() == b""
+
+
+async def test_a_stream_cut_short_keeps_its_end_for_the_error_event() -> None:
+    async with engine([[OK_HEAD, chunk(b"data: 1\n\n"), b"9\r\ndata:", None]]) as eng:
+        conn = await streaming(eng)
+        async with client_socket() as (transport, far):
+            sink = RecordingSink(transport)
+            conn.splice_to(sink, b"HEAD ", b"0\r\n\r\n")  # type: ignore[arg-type]
+            with pytest.raises(UpstreamError):
+                await conn.wait_spliced()
+            assert await read_all(far, wait_s=0.3) == b"HEAD " + chunk(b"data: 1\n\n")
+        # The relay appends the error event, then the end: neither went out here.
+        assert not conn.ended_stream and conn.unsent_head() == b""
+
+
+async def test_a_head_never_sent_is_the_relays_to_send() -> None:
+    """The client went away before the first chunk could go: the head is still held."""
+    async with engine([[OK_HEAD, chunk(b"data: 1\n\n"), b"0\r\n\r\n"]]) as eng:
+        conn = await streaming(eng)
+        async with client_socket() as (transport, _far):
+            transport.close()
+            conn.splice_to(transport, b"HEAD ", b"0\r\n\r\n")
+            with pytest.raises(UpstreamError, match="client disconnected"):
+                await conn.wait_spliced()
+        assert conn.unsent_head() == b"HEAD " and not conn.ended_stream
+
+
 async def test_an_engine_on_a_unix_socket_is_spliced_and_its_connection_reused(
     tmp_path: Path,
 ) -> None:
