@@ -37,6 +37,7 @@ from appliance.supervisor.runner import EngineRunner
 log = logging.getLogger("appliance.supervisor")
 
 ANSWER_WAIT_S = 120.0  # every engine's load (vLLM reads the weights) answered by then
+NO_ANSWER = "*"  # in _sync's errors: an engine that did not answer in time
 # A removal waits for requests still queued for the adapter (see AdapterBook._settle).
 SETTLE_MAX_S = 60.0
 SETTLE_MARGIN_S = 5.0
@@ -127,12 +128,12 @@ class AdapterBook:
             self._kept[name] = Kept(name, base.name, path)  # wanted: the engines load it
             errors = await self._sync(base.name)
             failed = errors.get(name)
-            saved = None if failed is not None else await self._save()
-            if failed is not None or saved is not None:
+            late = errors.get(NO_ANSWER)  # not known to serve it: never routed there
+            saved = None if failed is not None or late else await self._save()
+            if failed is not None or late or saved is not None:
                 del self._kept[name]
                 await self._sync(base.name)  # taken back where it did load
-                message = f"the engine could not load it: {failed}"
-                return saved or AdapterResult(400, message, "adapter_invalid")
+                return saved or _add_failed(name, failed, late)
             self._index()  # routed only now: each engine serves it
             log.info("adapter %s: added to %s from %s", name, base.name, path)
             return AdapterResult(200)
@@ -223,9 +224,10 @@ class AdapterBook:
                 for done in asked:
                     errors |= await done
         for done in asked:
-            if not done.done():
+            # The timeout cancels the future it was awaiting: cancelled = no answer.
+            if done.cancelled() or not done.done():
                 done.cancel()
-                errors["*"] = "an engine did not answer in time"
+                errors[NO_ANSWER] = f"an engine did not answer within {ANSWER_WAIT_S:g} s"
         return errors
 
     async def _save(self) -> AdapterResult | None:
@@ -236,6 +238,14 @@ class AdapterBook:
             log.error("%s could not be written: %s", self._path, exc)
             return AdapterResult(503, f"{self._path} could not be written: {exc}", "state_file")
         return None
+
+
+def _add_failed(name: str, failed: str | None, late: str | None) -> AdapterResult:
+    if failed is not None:
+        return AdapterResult(400, f"the engine could not load it: {failed}", "adapter_invalid")
+    log.warning("adapter %s: not added: %s", name, late)
+    message = f"{late} (nothing kept; it is unloaded again where it loaded): retry later"
+    return AdapterResult(503, message, "engine_busy")
 
 
 def _rank_problem(base: ServedModel, rank: int, engine_ranks: list[int]) -> AdapterResult | None:

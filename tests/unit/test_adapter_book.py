@@ -110,3 +110,23 @@ def test_a_removal_waits_for_a_request_no_longer_than_the_queue_would(
         assert (await removing).status == 200
 
     asyncio.run(scenario())
+
+
+def test_an_engine_that_does_not_answer_the_load_in_time_fails_the_add_cleanly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Never routed to an engine not known to serve it (vLLM would answer 404), nothing
+    kept, and the admin told to retry: it used to be a 200."""
+    monkeypatch.setattr(adapters, "ANSWER_WAIT_S", 0.2)
+
+    async def scenario() -> None:
+        book, runner = _book(tmp_path)  # a runner that never answers
+        result = await book.add("chat", "sql", str(fake_adapter(tmp_path / "a")))
+        assert (result.status, result.code) == (503, "engine_busy")
+        assert "did not answer within 0.2 s" in result.message and "retry" in result.message
+        assert "sql" not in book.names() and "sql" not in book.wanted("chat")
+        assert not (tmp_path / "adapters.json").exists()
+        # Told twice: load it, then (nothing wanted any more) unload it where it loaded.
+        assert len(runner.told) == 2
+
+    asyncio.run(scenario())
