@@ -181,6 +181,16 @@ def child_main(gpu_share: float = 0.0) -> None:
     signal.signal(signal.SIGINT, _bye)
     if gpu_share > 0:
         gpu_hold(gpu_share)
+        ack = int(os.environ[GPU_READY_FD_ENV])
+        os.write(ack, b"1")
+
+        def _toggle(signum: int, frame: Any) -> None:  # fake_sleep.py: asleep or awake
+            awake = signum == signal.SIGUSR2
+            gpu_hold(gpu_share) if awake else gpu_release()
+            os.write(ack, b"1" if awake else b"0")
+
+        signal.signal(signal.SIGUSR1, _toggle)
+        signal.signal(signal.SIGUSR2, _toggle)
     while True:
         signal.pause()
 
@@ -213,8 +223,8 @@ def _cuda_torch() -> Any | None:
 
 
 def gpu_hold(share: float) -> None:
-    """Take ``share`` of this GPU's memory for the life of the process, then say so on
-    the fd the API server waits on. Held memory lives in a module global."""
+    """Take ``share`` of this GPU's memory until :func:`gpu_release` (held in a module
+    global). The child then says so on the fd the API server waits on."""
     torch = _cuda_torch()
     fake_dir = os.environ.get(GPU_FAKE_DIR_ENV)
     gpu = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0]
@@ -233,10 +243,23 @@ def gpu_hold(share: float) -> None:
         log(f"fake GPU {gpu}: holding {share:.0%} of its memory")
     else:
         log("--gpu-share: no CUDA device and no fake NVML: holding nothing")
-    fd = os.environ.get(GPU_READY_FD_ENV)
-    if fd:
-        os.write(int(fd), b"1")
-        os.close(int(fd))
+
+
+def gpu_release() -> None:
+    """Give the memory back, as vLLM's level-1 sleep does before it answers."""
+    torch = _cuda_torch()
+    _HELD.clear()
+    if torch is not None:
+        torch.cuda.empty_cache()
+    fake_dir = os.environ.get(GPU_FAKE_DIR_ENV)
+    if fake_dir:
+        gpu = int((os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0])
+        path = os.path.join(fake_dir, "procs", f"{os.getpid()}.json")
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump({"pid": os.getpid(), "gpu": gpu, "share": 0.0}, f)
+        os.replace(tmp, path)
+    log("GPU memory given back (asleep)")
 
 
 _HELD: list[Any] = []
@@ -1123,12 +1146,9 @@ class FakeEngine:
         log(f"Started engine core process (fake VLLM::EngineCore) pid={self.child.pid}")
 
     async def gpu_held(self) -> bool:
-        """--gpu-share: whether the child holds its memory (False: it died first)."""
-        fd = self.gpu_ready_fd
-        try:
-            return await asyncio.to_thread(os.read, fd, 1) == b"1"
-        finally:
-            os.close(fd)
+        """--gpu-share: whether the child holds its memory (False: it died first). The
+        fd stays open: the child answers each sleep and wake on it too (fake_sleep.py)."""
+        return await asyncio.to_thread(os.read, self.gpu_ready_fd, 1) == b"1"
 
     def stop_child(self) -> None:
         if self.child is None or self.child.poll() is not None:

@@ -3,24 +3,25 @@
 ``entrypoints/launchers/api_server/routers.py`` does: the development routers,
 ``entrypoints/serve/dev/sleep/api_router.py``).
 
-Asleep, the engine's "GPU memory" is given back: with ``--gpu-share`` its fake
-EngineCore's record for the fake pynvml (``procs/<pid>.json``) says share 0, so NVML
-sees the memory freed; a wake takes ``--wake-delay-s`` and takes the memory back. A
-request while asleep is refused (503), as the appliance must never send one.
+Asleep, the engine's GPU memory is given back: with ``--gpu-share`` its fake EngineCore
+is told (SIGUSR1; SIGUSR2 to take it back) and answers on its pipe once done, so
+``/sleep`` answers only once the memory is free, as vLLM's does: on a GPU the child
+frees its torch allocation (scripts/gpu-check), on the fake pynvml its record says share
+0. A wake takes ``--wake-delay-s`` and takes the memory back. A request while asleep is
+refused (503), as the appliance must never send one.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
+import signal
 import sys
 from typing import Any
 
 from aiohttp import web
 
 DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
-FAKE_NVML_ENV = "GPU_CHECK_FAKE_NVML"
 
 
 class SleepMode:
@@ -48,7 +49,7 @@ class SleepMode:
             return web.json_response({"error": "level must be 0..2"}, status=422)
         self.sleeping, self.level = True, level
         self.sleeps += 1
-        self._hold(False)
+        await self._hold(False)
         return web.json_response({"status": "sleeping", "level": level})
 
     async def wake_up(self, request: web.Request) -> web.Response:
@@ -58,7 +59,7 @@ class SleepMode:
                 print("ERROR fake engine crashing while waking", file=sys.stderr, flush=True)
                 os._exit(1)
             await asyncio.sleep(self.wake_delay_s)  # weights copied back from host RAM
-            self._hold(True)
+            await self._hold(True)
             self.sleeping = False
             self.wakes += 1
         return web.json_response({"status": "awake", "tags": None})
@@ -66,16 +67,10 @@ class SleepMode:
     async def is_sleeping(self, request: web.Request) -> web.Response:
         return web.json_response({"is_sleeping": self.sleeping})
 
-    def _hold(self, held: bool) -> None:
-        """The fake EngineCore's memory record: its share while awake, 0 asleep."""
-        fake_dir, child = os.environ.get(FAKE_NVML_ENV), self.engine.child
-        share = float(self.engine.args.gpu_share)
-        if not fake_dir or child is None or share <= 0:
+    async def _hold(self, held: bool) -> None:
+        """The fake EngineCore takes its memory back (or gives it back); until it says so."""
+        child = self.engine.child
+        if child is None or float(self.engine.args.gpu_share) <= 0:
             return
-        path = os.path.join(fake_dir, "procs", f"{child.pid}.json")
-        gpu = int((os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0])
-        record = {"pid": child.pid, "gpu": gpu, "share": share if held else 0.0}
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(record, f)
-        os.replace(tmp, path)
+        os.kill(child.pid, signal.SIGUSR2 if held else signal.SIGUSR1)
+        await self.engine.gpu_held()

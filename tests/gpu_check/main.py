@@ -31,7 +31,7 @@ from tests.gpu_check.report import Line, Report
 from tests.gpu_check.swap import SwapRun, swap
 
 SHARE = 0.3  # of each GPU's memory per engine: well above the supervisor's "free" (10 %)
-CHECKS = ("placement", "telemetry", "restart", "doctor", "heat", "cleanup", "swap")
+CHECKS = ("placement", "telemetry", "restart", "doctor", "heat", "cleanup", "swap", "sleep")
 
 
 def _real_nvml() -> types.ModuleType | None:
@@ -134,13 +134,15 @@ def run(out: Path, python: str) -> Report:
             _run_check(report, "cleanup", lambda: lifecycle.cleanup(ctx, run_id))
             with contextlib.suppress(OSError):
                 shutil.copy(daemon.log_path, out / "daemon.log")
-        turns = SwapRun(work, python, engine_env, fake_dir, run_id, view, release_s)
-        if report.lines[-1].ok:
-            _run_check(report, "swap", lambda: swap(turns))
-        else:  # memory still held (or processes left) would stall or skew its turns
-            report.add(Line("swap", False, "not run: the first daemon did not clean up"))
-        with contextlib.suppress(OSError):
-            shutil.copy(work / "swap" / "daemon.log", out / "swap-daemon.log")
+        cleaned = report.lines[-1].ok
+        for mode in ("stop", "sleep"):
+            turns = SwapRun(work, python, engine_env, fake_dir, run_id, view, release_s, mode)
+            if cleaned:
+                _run_check(report, turns.line, lambda turns=turns: swap(turns))
+            else:  # memory still held (or processes left) would stall or skew its turns
+                report.add(Line(turns.line, False, "not run: the first daemon did not clean up"))
+            with contextlib.suppress(OSError):
+                shutil.copy(work / turns.line / "daemon.log", out / f"{turns.line}-daemon.log")
         view.close()
         report.figures.update(
             ctx.figures,

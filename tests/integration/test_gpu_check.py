@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-CHECKS = ("placement", "telemetry", "restart", "doctor", "heat", "cleanup", "swap")
+CHECKS = ("placement", "telemetry", "restart", "doctor", "heat", "cleanup", "swap", "sleep")
 GIB = 1024**3
 
 pytestmark = pytest.mark.slow
@@ -72,13 +72,16 @@ def test_every_gpu_check_holds_against_the_fake(tmp_path: Path) -> None:
     assert checks["cleanup"]["exit_code"] == 0 and checks["cleanup"]["left"] == []
     assert checks["cleanup"]["memory_used"] == {"0": 600 * 1024**2, "1": 600 * 1024**2}
     # Two on-demand models taking turns on GPU 0, each 55 % of its 80 GiB: the next one
-    # STARTING only once NVML shows the last one's memory back, and both answering.
-    turns = checks["swap"]["turns"]
-    assert [(t["from"], t["to"]) for t in turns] == [("swap-a", "swap-b"), ("swap-b", "swap-a")]
-    for t in turns:
-        assert t["held_bytes"] == int(0.55 * 80 * GIB) and t["on_gpu"] and t["in_order"]
-        assert 0 < t["released_s"] <= t["starting_s"] + 0.25 < t["ready_s"] + 0.25
-    assert checks["swap"]["exit_code"] == 0
+    # loading only once NVML shows the last one's memory back, and both answering; with
+    # swap = "sleep" the first is asleep (its memory given back) and later woken.
+    for line, how in (("swap", ["cold", "cold"]), ("sleep", ["cold", "wake"])):
+        turns = checks[line]["turns"]
+        a, b = f"{line}-a", f"{line}-b"
+        assert [(t["from"], t["to"], t["how"]) for t in turns] == [(a, b, how[0]), (b, a, how[1])]
+        for t in turns:
+            assert t["held_bytes"] == int(0.55 * 80 * GIB) and t["on_gpu"] and t["in_order"]
+            assert 0 < t["released_s"] <= t["loading_s"] + 0.25 < t["loaded_s"] + 0.25
+        assert checks[line]["exit_code"] == 0
 
 
 def test_a_broken_fake_fails_the_checks_it_breaks(tmp_path: Path) -> None:
@@ -94,6 +97,7 @@ def test_a_broken_fake_fails_the_checks_it_breaks(tmp_path: Path) -> None:
     )
     assert by_name["cleanup"].startswith("✗ cleanup: GPU 0 memory not back")
     assert by_name["swap"] == "✗ swap: not run: the first daemon did not clean up"
+    assert by_name["sleep"] == "✗ sleep: not run: the first daemon did not clean up"
     assert "FAIL in" in proc.stdout.splitlines()[-1]
     doc = _figures(tmp_path)
     assert doc["ok"] is False and doc["checks"]["restart"]["released_s"] is None
@@ -106,7 +110,8 @@ def test_the_swap_check_fails_when_the_models_memory_is_not_on_their_gpu(
     assert proc.returncode == 1, proc.stdout + proc.stderr
     by_name = {line[2:].split(":")[0]: line for line in lines}
     assert by_name["cleanup"].startswith("✓ cleanup")
-    assert by_name["swap"].startswith(
-        "✗ swap: swap-a's memory not on GPU 0; swap-b's memory not on GPU 0; "
-        "swap-a (0.0 GiB) → swap-b"
-    )
+    for line in ("swap", "sleep"):
+        assert by_name[line].startswith(
+            f"✗ {line}: {line}-a's memory not on GPU 0; {line}-b's memory not on GPU 0; "
+            f"{line}-a (0.0 GiB) → {line}-b"
+        )
