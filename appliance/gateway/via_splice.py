@@ -56,9 +56,9 @@ async def relay_via_splice(gw: Gateway, call: EngineCall) -> web.StreamResponse 
         ended = await _splice_stream(gw, call, conn, resp)
     finally:
         pool.release(call.address, conn)
-    if ended and conn.ended_stream:
-        ended_by_caller(resp)
     if ended:
+        if conn.ended_stream:  # the end went with the last chunk
+            ended_by_caller(resp)
         with contextlib.suppress(ConnectionError):
             await resp.write_eof()
     return resp

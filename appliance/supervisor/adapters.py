@@ -132,7 +132,10 @@ class AdapterBook:
             saved = None if failed is not None or late else await self._save()
             if failed is not None or late or saved is not None:
                 del self._kept[name]
-                await self._sync(base.name)  # taken back where it did load
+                if late:  # told, not awaited: the late engine would hold the admin again
+                    self._tell(base.name)
+                else:
+                    await self._sync(base.name)  # taken back where it did load
                 return saved or _add_failed(name, failed, late)
             self._index()  # routed only now: each engine serves it
             log.info("adapter %s: added to %s from %s", name, base.name, path)
@@ -210,6 +213,11 @@ class AdapterBook:
     def _mine(self, model: str) -> list[EngineRunner]:
         return [r for r in self._runners if r.spec.model == model]
 
+    def _tell(self, model: str) -> None:
+        """Every engine of ``model`` told to serve what is wanted, nobody waiting."""
+        for r in self._mine(model):
+            r.tell(SyncAdapters())
+
     async def _sync(self, model: str) -> dict[str, str]:
         """Every engine of ``model`` made to serve what is wanted; what failed, by name."""
         loop = asyncio.get_running_loop()
@@ -244,7 +252,7 @@ def _add_failed(name: str, failed: str | None, late: str | None) -> AdapterResul
     if failed is not None:
         return AdapterResult(400, f"the engine could not load it: {failed}", "adapter_invalid")
     log.warning("adapter %s: not added: %s", name, late)
-    message = f"{late} (nothing kept; it is unloaded again where it loaded): retry later"
+    message = f"{late} (nothing kept; the engines unload it where it loaded): retry later"
     return AdapterResult(503, message, "engine_busy")
 
 

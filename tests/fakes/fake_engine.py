@@ -185,9 +185,12 @@ def child_main(gpu_share: float = 0.0) -> None:
         os.write(ack, b"1")
 
         def _toggle(signum: int, frame: Any) -> None:  # fake_sleep.py: asleep or awake
-            awake = signum == signal.SIGUSR2
-            gpu_hold(gpu_share) if awake else gpu_release()
-            os.write(ack, b"1" if awake else b"0")
+            if signum == signal.SIGUSR2:
+                gpu_hold(gpu_share)
+                os.write(ack, b"1")
+            else:
+                gpu_release()
+                os.write(ack, b"0")
 
         signal.signal(signal.SIGUSR1, _toggle)
         signal.signal(signal.SIGUSR2, _toggle)
@@ -1146,8 +1149,9 @@ class FakeEngine:
         log(f"Started engine core process (fake VLLM::EngineCore) pid={self.child.pid}")
 
     async def gpu_held(self) -> bool:
-        """--gpu-share: whether the child holds its memory (False: it died first). The
-        fd stays open: the child answers each sleep and wake on it too (fake_sleep.py)."""
+        """--gpu-share: the child's next word, whether it holds its memory (False: it
+        gave it back to sleep, or died). The fd stays open: the child answers each sleep
+        and wake on it too (fake_sleep.py)."""
         return await asyncio.to_thread(os.read, self.gpu_ready_fd, 1) == b"1"
 
     def stop_child(self) -> None:
