@@ -122,7 +122,8 @@ def _turn(run: SwapRun, daemon: Daemon, base: GpuSample, old: str, new: str) -> 
 
 
 def _turns(run: SwapRun, daemon: Daemon, base: GpuSample) -> list[dict[str, Any]]:
-    daemon.wait_for(lambda: daemon.request("/healthz")[0] == 200, 120, "the gateway")
+    # Ready, not only alive: until the daemon has started, a request gets 503 "starting".
+    daemon.wait_for(lambda: daemon.request("/readyz")[0] == 200, 120, "the daemon ready")
     a, b = run.models
     code, first_s = _ask(daemon, a)
     if code != 200:
