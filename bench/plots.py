@@ -139,6 +139,8 @@ PROXY_STYLE = {
     "nginx": ("tab:green", "s"),
     "pipe": ("tab:gray", "^"),
     "vllm-router": ("tab:orange", "D"),
+    "aiohttp-relay": ("tab:purple", "v"),
+    "raw-relay": ("tab:brown", "x"),
 }
 
 

@@ -22,10 +22,13 @@ other's work; the noise line says how busy the machine was.
 
 ``--pipe`` adds a Python byte pipe on uvloop (bench.pipe: the floor of a relay written in
 Python), ``--router`` vllm-router in front of a pipe of its own (it reaches workers over
-TCP only; its CPU is its own process's, its latency includes the pipe's hop).
+TCP only; its CPU is its own process's, its latency includes the pipe's hop),
+``--floors`` two bare HTTP relays on the appliance's own engine side (bench.floors: one
+on aiohttp's server, one on an asyncio protocol of its own), which split the appliance's
+distance to the pipe into aiohttp's part and the appliance's own per-request work.
 
     .venv/bin/python -m bench.vs_nginx [--levels 1,16,64] [--rounds 3] [--round-s 3]
-        [--pipe] [--router] [--json FILE.json] [--plot FILE.png] [--profile-s 8]
+        [--pipe] [--router] [--floors] [--json FILE.json] [--plot FILE.png] [--profile-s 8]
 
 Without nginx (not installed, and apt-get not available as root) it says so in one
 line and measures direct and the appliance only.
@@ -47,9 +50,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import psutil
 
-from bench import nginx, pipe, plots, profile
+from bench import floors, nginx, pipe, plots, profile
 from bench._common import (
     Daemon,
     Result,
@@ -68,7 +72,7 @@ from bench._common import (
 from bench._relay import Rounds, cpu_s, relay_daemon, rotation
 from tests.fakes.router_proc import Router, install_router, run_router
 
-PROXIES = ("appliance", "nginx", "pipe", "vllm-router")
+PROXIES = ("appliance", "nginx", "pipe", "vllm-router", "aiohttp-relay", "raw-relay")
 
 
 @dataclass
@@ -186,12 +190,19 @@ def table(args: argparse.Namespace, figs: dict[str, Any], names: list[str]) -> T
     return t
 
 
+def _sender(
+    session: aiohttp.ClientSession, url: str, key: str, body: bytes
+) -> Callable[[int], Awaitable[Result]]:
+    return lambda w: request(session, url, key, body, True)
+
+
 async def run(
     args: argparse.Namespace,
     d: Daemon,
     ng: nginx.Nginx | None,
     pp: pipe.Pipe | None,
     rt: Router | None = None,
+    fl: dict[str, floors.Floor] | None = None,
 ) -> dict[str, Any]:
     body = completion_body(args.tokens, stream=True)
     key = d.engine_key(0)
@@ -216,6 +227,10 @@ async def run(
             routed = await stack.enter_async_context(client_session())
             send["vllm-router"] = lambda w: request(routed, rt.url, key, body, True)
             procs["vllm-router"] = [psutil.Process(rt.proc.pid)]
+        for server, floor in (fl or {}).items():
+            via_floor = await stack.enter_async_context(client_session())
+            send[f"{server}-relay"] = _sender(via_floor, floor.url, key, body)
+            procs[f"{server}-relay"] = floor.processes()
         accs = await measure(args, Paths(send, procs))
         prof: dict[str, Any] = {}
         if args.profile_s > 0:
@@ -300,6 +315,14 @@ def main() -> None:
         help="also vllm-router 0.1.17 (installed under the user cache when missing), in "
         "front of a pipe of its own to the engine socket (it speaks TCP only)",
     )
+    ap.add_argument(
+        "--floors",
+        action="store_const",
+        const=floors.SERVERS,
+        default=(),
+        help="also two bare relays on the appliance's own engine side (bench.floors): "
+        "aiohttp's server, and an asyncio protocol of its own",
+    )
     ap.add_argument("--no-wait", action="store_true", help="do not wait for a quiet machine")
     ap.add_argument("--json", default="", help="also write the figures to this file")
     ap.add_argument("--plot", default="", help="PNG of the figures (default: next to --json)")
@@ -325,7 +348,8 @@ def main() -> None:
         assert sock is not None  # engine.listen = "unix"
         pp = stack.enter_context(pipe.run_pipe(sock)) if args.pipe else None
         rt = stack.enter_context(router_path(sock)) if args.router else None
-        data = asyncio.run(run(args, d, ng, pp, rt))
+        fl = {s: stack.enter_context(floors.run_floor(s, sock)) for s in args.floors}
+        data = asyncio.run(run(args, d, ng, pp, rt, fl))
     quiet.stop_watching()
     print()
     print(report(args, quiet, data, why))
