@@ -26,14 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import socket
-import subprocess
-import sys
-import time
-from collections.abc import Iterator
-from dataclasses import dataclass
 
-import psutil
 import uvloop
 from aiohttp import web
 
@@ -47,6 +40,7 @@ from appliance.gateway.stream_writes import (
     take_head,
 )
 from appliance.gateway.upstream_pool import UpstreamPool
+from bench.pipe import RelayProcess, run_relay
 
 SERVERS = ("aiohttp", "raw")
 ENGINE_PATH = "/v1/completions"
@@ -178,39 +172,9 @@ async def serve_raw(address: EngineAddress, port: int) -> None:
 # ---- in a process of its own -------------------------------------------------------------
 
 
-@dataclass
-class Floor:
-    proc: subprocess.Popen[bytes]
-    port: int
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def processes(self) -> list[psutil.Process]:
-        return [psutil.Process(self.proc.pid)]
-
-
-@contextlib.contextmanager
-def run_floor(server: str, upstream_socket: str) -> Iterator[Floor]:
+def run_floor(server: str, upstream_socket: str) -> contextlib.AbstractContextManager[RelayProcess]:
     """The relay in a process of its own on a free loopback port; stopped after."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
-    argv = [sys.executable, "-m", "bench.floors", "--server", server]
-    proc = subprocess.Popen([*argv, "--uds", upstream_socket, "--port", str(port)])
-    try:
-        deadline = time.monotonic() + 15
-        while True:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the {server} relay did not listen (exit {proc.poll()})")
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
-                break
-            time.sleep(0.05)
-        yield Floor(proc, port)
-    finally:
-        proc.kill()
-        proc.wait()
+    return run_relay(["bench.floors", "--server", server], upstream_socket)
 
 
 def main() -> None:

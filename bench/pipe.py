@@ -77,7 +77,9 @@ async def serve(uds: str, port: int) -> None:
 
 
 @dataclass
-class Pipe:
+class RelayProcess:
+    """A bench relay (this pipe, bench.floors' relays) in a process of its own."""
+
     proc: subprocess.Popen[bytes]
     port: int
 
@@ -90,25 +92,31 @@ class Pipe:
 
 
 @contextlib.contextmanager
-def run_pipe(upstream_socket: str) -> Iterator[Pipe]:
-    """The pipe in a process of its own on a free loopback port; stopped after."""
+def run_relay(module: list[str], upstream_socket: str) -> Iterator[RelayProcess]:
+    """``python -m MODULE... --uds SOCKET --port PORT`` on a free loopback port, once it
+    listens; killed after."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = int(s.getsockname()[1])
-    argv = [sys.executable, "-m", "bench.pipe", "--uds", upstream_socket, "--port", str(port)]
+    argv = [sys.executable, "-m", *module, "--uds", upstream_socket, "--port", str(port)]
     proc = subprocess.Popen(argv)
     try:
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 15
         while True:
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the pipe did not listen (exit {proc.poll()})")
+                raise RuntimeError(f"{module[0]} did not listen (exit {proc.poll()})")
             with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
                 break
             time.sleep(0.05)
-        yield Pipe(proc, port)
+        yield RelayProcess(proc, port)
     finally:
         proc.kill()
         proc.wait()
+
+
+def run_pipe(upstream_socket: str) -> contextlib.AbstractContextManager[RelayProcess]:
+    """The pipe in a process of its own on a free loopback port; stopped after."""
+    return run_relay(["bench.pipe"], upstream_socket)
 
 
 def main() -> None:

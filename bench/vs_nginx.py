@@ -200,9 +200,9 @@ async def run(
     args: argparse.Namespace,
     d: Daemon,
     ng: nginx.Nginx | None,
-    pp: pipe.Pipe | None,
+    pp: pipe.RelayProcess | None,
     rt: Router | None = None,
-    fl: dict[str, floors.Floor] | None = None,
+    fl: dict[str, pipe.RelayProcess] | None = None,
 ) -> dict[str, Any]:
     body = completion_body(args.tokens, stream=True)
     key = d.engine_key(0)
