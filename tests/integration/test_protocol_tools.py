@@ -1,4 +1,4 @@
-"""Tools, the response store and a replayed stream, through the daemon on fake engines.
+"""Tools, the response store and background responses, through the daemon on fake engines.
 
 Three generate models, one fake engine each: ``chat`` without a tool-call parser,
 ``tooled`` with ``tool_call_parser = "hermes"``, ``nostore`` with ``responses_store =
@@ -6,8 +6,7 @@ false``. As a client sees it: ``tools`` with ``tool_choice`` "auto" (or none giv
 model without a parser is a 400 in the route's own shape naming the key to set, and never
 reaches an engine; "none" and structured output pass; the model with a parser takes the
 same request. A model that keeps no responses refuses ``previous_response_id`` in words.
-A background stream is replayed by ``GET /v1/responses/{id}?stream=true`` as events, and
-reading it counts nothing for the key.
+A background response is refused before it reaches an engine.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ from typing import Any
 import pytest
 
 from tests.fakes.appliance_proc import STEADY_HEALTH, fake_engine_config, run_appliance
-from tests.integration.test_protocols import Box, sse_events
+from tests.integration.test_protocols import Box
 
 pytestmark = pytest.mark.slow
 
@@ -100,22 +99,26 @@ def test_a_model_that_keeps_no_responses_says_so(box: Box) -> None:
     assert code == 404 and err["error"]["code"] == "response_not_found", err
 
 
-def test_a_background_stream_is_replayed_as_events_and_counted_once(box: Box) -> None:
-    body = {
-        "model": "chat",
-        "input": "a b",
-        "max_output_tokens": 3,
-        "stream": True,
-        "background": True,
-    }
-    code, _, text = box.call("POST", "/v1/responses", body)
-    assert code == 200, text
-    made = sse_events(text)
-    rid = made[-1][1]["response"]["id"]
-    counted = box.tokens(box.alice_id)
-    code, headers, again = box.call("GET", f"/v1/responses/{rid}?stream=true")
-    assert code == 200 and headers["content-type"].startswith("text/event-stream"), again
-    assert sse_events(again) == made
-    code, _, whole = box.call("GET", f"/v1/responses/{rid}")
-    assert code == 200 and whole["id"] == rid
-    assert box.tokens(box.alice_id) == counted  # reading it again counts nothing
+def test_a_background_response_is_refused_before_any_engine_runs_it(box: Box) -> None:
+    """vLLM would go on generating a background response after its queued answer (or a
+    stream the client leaves): outside admission and counted short. Refused instead."""
+    before = box.tokens(box.alice_id)
+    for stream in (False, True):
+        body = {
+            "model": "chat",
+            "input": "a b",
+            "max_output_tokens": 3,
+            "stream": stream,
+            "background": True,
+        }
+        code, _, err = box.call("POST", "/v1/responses", body)
+        assert code == 400, err
+        assert err["error"]["code"] == "background_not_supported", err
+        assert err["error"]["param"] == "background"
+    code, _, made = box.call(
+        "POST",
+        "/v1/responses",
+        {"model": "chat", "input": "a b", "max_output_tokens": 3, "background": False},
+    )
+    assert code == 200 and made["object"] == "response", made
+    assert box.tokens(box.alice_id) > before  # the plain one ran and was counted

@@ -37,6 +37,7 @@ from appliance.gateway.cost import (
     text_bound,
     text_tokens,
 )
+from appliance.gateway.errors import GatewayError
 from appliance.gateway.protocols.base import (
     COUNT,
     Route,
@@ -86,6 +87,24 @@ def _check(body: Mapping[str, Any]) -> None:
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise bad_request("'instructions' must be a string", "instructions")
+    if body.get("background") not in (None, False):
+        raise _background_refused()
+
+
+def _background_refused() -> GatewayError:
+    """vLLM runs a background response in a task of its own, not tied to the request: its
+    queued answer (or a stream the client leaves) ends the gateway's part while the
+    engine goes on generating, outside admission (max_inflight, the queue, heat) and
+    counted short (the events relayed)."""
+    return GatewayError(
+        400,
+        "'background' responses are not served here: their generation would run outside "
+        "the gateway's admission and token accounting; send the request without it "
+        "(stream it to see a long answer as it comes)",
+        param="background",
+        code="background_not_supported",
+        reason="bad_request",
+    )
 
 
 def _prompt_estimate(body: Mapping[str, Any]) -> int:
