@@ -56,6 +56,7 @@ from appliance.gateway.pinned_relay import PinnedRelay
 from appliance.gateway.protocols import ROUTES, Route
 from appliance.gateway.protocols.tools import tools_refusal
 from appliance.gateway.request_body import LOWERED, ParsedRequest, finish_body, open_body, read_body
+from appliance.gateway.usage_plan import stepping_of
 from appliance.gateway.via_client import relay_via_client
 from appliance.gateway.via_splice import relay_via_splice
 from appliance.policy.fallback import choose_fallback
@@ -160,9 +161,10 @@ class Relay:
         )
         if refused is not None:
             raise refused
-        max_model_len = config.engine_of(name).max_model_len
+        max_model_len = served.engine.max_model_len
+        steps = stepping_of(served)
         parsed = finish_body(
-            route, opened, request.headers, config.gateway, max_model_len, name, sent
+            route, opened, request.headers, config.gateway, max_model_len, name, sent, steps
         )
         # An adapter has no fallback: another model's engines do not serve it.
         return parsed, served.fallback if sent == name else ""
@@ -186,8 +188,9 @@ class Relay:
             opened,
             request.headers,
             config.gateway,
-            config.engine_of(model).max_model_len,
+            target.engine.max_model_len,
             model,
+            stepping=stepping_of(target),
         )
         return parsed if self.gw.admission.fits(parsed.cost, model) else None
 

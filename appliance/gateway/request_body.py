@@ -21,7 +21,7 @@ from appliance.config import GatewayConfig
 from appliance.gateway.errors import GatewayError
 from appliance.gateway.json_bounds import TooMuchStructure, check_structure, may_exceed
 from appliance.gateway.protocols import ROUTES, StateRef
-from appliance.gateway.usage_plan import UsagePlan, insert_stream_usage, plan_usage
+from appliance.gateway.usage_plan import Stepping, UsagePlan, insert_stream_usage, plan_usage
 from appliance.policy.routing import session_key
 
 
@@ -140,12 +140,14 @@ def finish_body(
     max_model_len: int,
     model: str | None = None,
     sent: str | None = None,
+    stepping: Stepping | None = None,
 ) -> ParsedRequest:
-    """What the request costs on ``model``'s engines (whose context is ``max_model_len``)
-    and what they are sent. The engine knows its model by its canonical name only, so a
-    body naming an alias is rewritten to ``model`` (or to ``sent``: a LoRA adapter's name,
-    which the engine serves too); the client's bytes go on untouched (no
-    re-serialisation) unless a field must be set."""
+    """What the request costs on ``model``'s engines (whose context is ``max_model_len``,
+    whose streams carry ``stepping``'s tokens per event) and what they are sent. The
+    engine knows its model by its canonical name only, so a body naming an alias is
+    rewritten to ``model`` (or to ``sent``: a LoRA adapter's name, which the engine
+    serves too); the client's bytes go on untouched (no re-serialisation) unless a field
+    must be set."""
     body = opened.fields
     canonical = model or opened.model
     wire = sent or canonical
@@ -164,6 +166,7 @@ def finish_body(
         bound=spec.prompt_bound,
         reader=spec.event_usage,
         answer=spec.answer_usage,
+        stepping=stepping,
     )
     rewrite = wire != opened.model or plan.rewrite
     if spec.prepare is not None and spec.prepare(body):

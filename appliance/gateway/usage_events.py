@@ -40,7 +40,9 @@ the key's count in the relay's one ``finally`` per try (proxy.py): the engine's 
 when it came; nothing when the engine failed before any byte reached the client (retried,
 or a 502/504: the engine's failure, not the key's) or answered an error; else an upper
 bound never below what the engine did (:attr:`usage_plan.UsagePlan.prompt_bound`, and the token
-events read for a stream, everything the request allowed for a whole answer).
+events read for a stream, times the most tokens one event may carry where vLLM puts
+several in one (``stream_interval``, speculative decoding: usage_plan.Stepping),
+everything the request allowed for a whole answer).
 """
 
 from __future__ import annotations
@@ -324,9 +326,10 @@ def charged(meter: Metering, plan: UsagePlan | None) -> Usage:
     if plan is None:  # every relayed request has a plan (request_body.finish_body)
         return Usage(0, tap.produced() if tap is not None else 0)
     # Cut off before the engine's count (a break, a client gone, an abandoned engine):
-    # a stream is charged the token events read (the engine stops within a step of its
-    # connection closing), a whole answer everything it was allowed (nothing says less).
+    # a stream is charged the tokens its events read may hold (one each, unless the
+    # engine puts several in one: UsagePlan.produced_bound; the engine stops within a
+    # step of its connection closing), a whole answer everything it was allowed.
     if tap is not None:
         prompt = tap.prompt if tap.prompt is not None else plan.prompt_bound
-        return Usage(prompt, tap.produced())
+        return Usage(prompt, plan.produced_bound(tap.produced()))
     return Usage(plan.prompt_bound, 0 if plan.stream else plan.completion_bound)

@@ -12,10 +12,11 @@ put a usage object in every token event. The plan also keeps what the upper boun
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from appliance.config import ServedModel
 from appliance.gateway.cost import prompt_bound
 from appliance.gateway.usage_counts import EventUsage, Usage, usage_of_answer
 
@@ -40,6 +41,20 @@ class UsagePlan:
     bound: Callable[[Mapping[str, Any], int], int] | None = None
     reader: Callable[[bytes], EventUsage | None] | None = None
     answer: Callable[[bytes], Usage | None] | None = None
+    per_event: int | None = 1  # the most completion tokens one stream event carries (Stepping)
+
+    def produced_bound(self, token_events: int) -> int:
+        """Completion tokens to count for a stream cut after ``token_events`` token events,
+        never fewer than the engine made: one each when an event carries one token; when it
+        may carry more (``per_event``), that many for each and for the tokens the engine
+        made but had not sent yet, within what the request allowed; all it allowed when
+        how many is unknown."""
+        per = self.per_event
+        if per == 1:
+            return token_events
+        if per is None:
+            return self.completion_bound
+        return min((token_events + 1) * per, self.completion_bound)
 
     @property
     def prompt_bound(self) -> int:
@@ -57,6 +72,59 @@ class UsagePlan:
         return usage_of_answer(body) if self.answer is None else self.answer(body)
 
 
+@dataclass(frozen=True, slots=True)
+class Stepping:
+    """How many tokens a model's engines put in one stream event, as vLLM 0.32 does it.
+
+    One event goes out once ``stream_interval`` tokens are new (the larger of the
+    engine's ``--stream-interval``, default 1, and the request's own ``stream_interval``,
+    a vLLM field on chat and completions), and a speculative step adds up to
+    ``num_speculative_tokens`` + 1 tokens at once: so an event carries at most interval +
+    speculative tokens. None where the engine's figure cannot be read (an unparsable
+    flag, a speculative table without ``num_speculative_tokens``): then a cut stream is
+    counted everything it was allowed (UsagePlan.produced_bound).
+    """
+
+    interval: int | None = 1
+    speculative: int | None = 0
+
+    def per_event(self, body: Mapping[str, Any]) -> int | None:
+        if self.interval is None or self.speculative is None:
+            return None
+        asked = body.get("stream_interval")
+        interval = self.interval
+        if isinstance(asked, int) and not isinstance(asked, bool) and asked > interval:
+            interval = asked  # vLLM refuses anything but an integer >= 1 itself
+        return interval + self.speculative
+
+
+ONE_TOKEN = Stepping()
+
+
+def stepping_of(served: ServedModel) -> Stepping:
+    """What ``served``'s engines do (Stepping), from its configuration."""
+    return Stepping(_engine_interval(served.engine.extra_args), _speculative(served.speculative))
+
+
+def _engine_interval(args: Sequence[str]) -> int | None:
+    """vLLM's ``--stream-interval`` in the engine's extra arguments (1 without it; the
+    last one given wins, as in argparse); None when it is not a whole number."""
+    value: str | None = "1"
+    for i, arg in enumerate(args):
+        if arg == "--stream-interval":
+            value = args[i + 1] if i + 1 < len(args) else None
+        elif arg.startswith("--stream-interval="):
+            value = arg.partition("=")[2]
+    return int(value) if value is not None and value.isdigit() and int(value) >= 1 else None
+
+
+def _speculative(table: Mapping[str, Any]) -> int | None:
+    if not table:
+        return 0
+    n = table.get("num_speculative_tokens")
+    return n if isinstance(n, int) and not isinstance(n, bool) and n >= 0 else None
+
+
 def plan_usage(
     route: str,
     stream: bool,
@@ -68,6 +136,7 @@ def plan_usage(
     bound: Callable[[Mapping[str, Any], int], int] | None = None,
     reader: Callable[[bytes], EventUsage | None] | None = None,
     answer: Callable[[bytes], Usage | None] | None = None,
+    stepping: Stepping | None = None,
 ) -> UsagePlan:
     """Ask for the stream's usage event when the client did not (``body`` is updated);
     what the upper bound needs is kept, for a request cut off before its count. Routes
@@ -90,6 +159,7 @@ def plan_usage(
             bound,
             reader,
             answer,
+            ONE_TOKEN.per_event(body) if stepping is None else stepping.per_event(body),
         )
 
     if not stream or route not in ROUTES_WITH_STREAM_USAGE:

@@ -108,6 +108,12 @@ def log(msg: str) -> None:
 # --------------------------------------------------------------------------- args
 
 
+def stream_interval(body: dict[str, Any]) -> int:
+    """The request's ``stream_interval`` (a vLLM field on chat and completions), else 1."""
+    value = body.get("stream_interval")
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 1 else 1
+
+
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p = argparse.ArgumentParser(prog="fake_engine", allow_abbrev=False, add_help=True)
     # vLLM's own flags that the fake honours.
@@ -970,6 +976,9 @@ class FakeEngine:
             admitted = True
             self.running += 1
             self.prompt_tokens += prompt_total
+            # As vLLM 0.32: an event once stream_interval tokens are new (and the first
+            # and the last token at once), so one event may carry several tokens.
+            interval, unsent = stream_interval(body), []
             for t in range(max_tokens):
                 await self.unhung.wait()
                 if resp is not None:
@@ -1000,8 +1009,11 @@ class FakeEngine:
                 produced = t + 1
                 self.generation_tokens += n
                 self.spec_drafts += n
-                if resp is not None:
-                    await resp.write(chunk([piece(i, f" tok{t}", None) for i in range(n)]))
+                unsent.append(f" tok{t}")
+                due = t == 0 or len(unsent) >= interval or produced == max_tokens
+                if resp is not None and due:
+                    text, unsent = "".join(unsent), []
+                    await resp.write(chunk([piece(i, text, None) for i in range(n)]))
         except asyncio.CancelledError:
             self._count_abort(req_id, produced)
             raise

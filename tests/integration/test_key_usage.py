@@ -348,6 +348,23 @@ def test_a_stream_cut_before_its_usage_event_is_charged_at_least_what_the_engine
     assert tokens_of(app, kid, "completion") == 5  # the 5 token events relayed
 
 
+def test_a_cut_stream_whose_events_may_hold_several_tokens_is_charged_for_them(
+    running: tuple[Appliance, str, str],
+) -> None:
+    """vLLM puts ``stream_interval`` tokens in one event (the fake does too): 100 tokens
+    came in 26 events. Counted one per event, the key paid 26 (on real vLLM: 1 for 385
+    made); each event now counts the interval's worth, within max_tokens: all 100."""
+    app, key, model = running
+    app.engine_control(0, break_before_usage=True)
+    body = chat(model, stream=True, max_tokens=100, stream_interval=4)
+    status, through = raw_post(app, key, body)
+    assert status == 200 and b" tok0 tok1 tok2 tok3" not in through  # the first goes alone
+    assert b" tok1 tok2 tok3 tok4" in through and b"engine_error" in through
+    kid = key_id(app.log_path.parent)
+    app.wait_for(lambda: tokens_of(app, kid, "completion") > 0, 10, "the stream counted")
+    assert tokens_of(app, kid, "completion") == 100
+
+
 @pytest.mark.parametrize("version", ["1.1", "1.0"])
 def test_an_engine_writing_json_with_spaces_is_counted_exactly_and_stripped(
     running: tuple[Appliance, str, str], version: str
