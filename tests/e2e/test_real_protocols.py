@@ -29,6 +29,7 @@ import pytest
 
 from tests.e2e.conftest import RealAppliance, missing_setup, serving
 from tests.e2e.test_real_models import EMBED_MODEL, missing_embedding_model
+from tests.e2e.test_real_vllm import engine_metrics, wait_until
 from tests.fakes.appliance_proc import real_engine_config
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
@@ -278,3 +279,44 @@ def test_tools_with_auto_choice_answer_on_the_model_with_a_parser(box: Client) -
         },
     )
     assert responses["status"] in ("completed", "incomplete") and responses["output"], responses
+
+
+# ---- accounting --------------------------------------------------------------------------
+def test_a_stream_left_early_is_counted_at_least_what_vllm_made(box: Client) -> None:
+    """With the request's own ``stream_interval`` vLLM puts many tokens in one event: a
+    client that leaves after two token events has had 41 tokens and more made, not 2.
+    The key is counted at least what the engine made (it was counted 1 for 385 before)."""
+    engine = next(e["id"] for e in box.real.status()["engines"] if e["model"] == CHAT)
+    made_before = engine_metrics(box.real, engine).get("vllm:generation_tokens_total", 0.0)
+    before = box.tokens()
+    body = {
+        "model": CHAT,
+        "messages": [{"role": "user", "content": "Tell a long story about a lighthouse."}],
+        "max_tokens": 200,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_interval": 40,
+    }
+    conn = http.client.HTTPConnection("127.0.0.1", box.port, timeout=TIMEOUT_S)
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {box.key}"}
+    conn.request("POST", "/v1/chat/completions", json.dumps(body), headers)
+    resp = conn.getresponse()
+    assert resp.status == 200
+    token_events = 0
+    while token_events < 2:  # the first token goes alone, then 40 at a time
+        line = resp.readline()
+        assert line, "the stream ended before its second token event"
+        if line.startswith(b"data: {") and b'"content":"' in line and b'"content":""' not in line:
+            token_events += 1
+    conn.close()
+    wait_until(
+        lambda: engine_metrics(box.real, engine).get("vllm:num_requests_running", 1.0) == 0,
+        30,
+        "the engine stopping the request the client left",
+    )
+    wait_until(lambda: box.tokens()[1] > before[1], 10, "the stream counted for the key")
+    made = engine_metrics(box.real, engine)["vllm:generation_tokens_total"] - made_before
+    counted = box.tokens()[1] - before[1]
+    print(f"\n[e2e] a stream left after 2 events: {made:.0f} tokens made, {counted:.0f} counted")
+    assert made >= 41, made
+    assert counted >= made, (counted, made)
