@@ -29,6 +29,7 @@ from appliance.gateway.admin import Admin
 from appliance.gateway.admission import Admission
 from appliance.gateway.engine_owners import EngineOwners
 from appliance.gateway.fallback import FallbackRecorder, add_model_header
+from appliance.gateway.fd_room import ensure_fd_room
 from appliance.gateway.keys import (
     KeysFileError,
     KeyStore,
@@ -45,7 +46,7 @@ from appliance.gateway.protocols import ALL as ALL_ROUTES
 from appliance.gateway.proxy import Relay
 from appliance.gateway.ratelimit import RateLimiter
 from appliance.gateway.request_body import add_lowered_header
-from appliance.gateway.server import ConnectionLimits, GatewayRunner, ensure_fd_room
+from appliance.gateway.server import ConnectionLimits, GatewayRunner
 from appliance.gateway.ui import StatusPage
 from appliance.gateway.upstream_pool import UpstreamPool
 from appliance.gateway.usage import UsageBook, usage_path

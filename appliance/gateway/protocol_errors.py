@@ -27,7 +27,7 @@ from aiohttp.http_exceptions import (
     PayloadEncodingError,
 )
 
-from appliance.gateway.errors import error_body, error_response
+from appliance.gateway.errors import GatewayError, error_body, error_response
 
 # Each kind of client error is logged at most once per this; the rest are counted.
 LOG_INTERVAL_S = 60.0
@@ -108,7 +108,7 @@ def describe_protocol_error(exc: BaseException | None, max_line: int) -> str:
     if isinstance(exc, InvalidURLError):
         return "the request target is not a valid URL"
     if isinstance(exc, PayloadEncodingError):
-        return "the request body's framing or encoding is not valid HTTP"
+        return BODY_FRAMING
     return "the request head is not valid HTTP"
 
 
@@ -134,6 +134,33 @@ def peer_of(transport: asyncio.BaseTransport | None) -> str:
     return "a local client"
 
 
+BODY_FRAMING = "the request body's framing or encoding is not valid HTTP"
+
+
+def _note_malformed(
+    notes: ThrottledLog, peer: str, status: int, exc: HttpProcessingError, what: str
+) -> str:
+    """One throttled line for a malformed request; what to tell its client."""
+    kind = type(exc).__name__
+    notes.note(
+        f"malformed requests ({kind})",
+        logging.INFO,
+        "malformed request from %s (%s: %s): answered %d and closed",
+        peer,
+        kind,
+        what,
+        status,
+    )
+    return f"malformed HTTP request: {what}"
+
+
+def malformed_body(notes: ThrottledLog, peer: str, exc: HttpProcessingError) -> GatewayError:
+    """What the read of a body whose framing failed raises (a bad chunk line): the same
+    400 and log line as a malformed head, the connection closed with it."""
+    message = _note_malformed(notes, peer, 400, exc, BODY_FRAMING)
+    return GatewayError(400, message, code="bad_request", reason="bad_request", close=True)
+
+
 def reply_to_error(
     notes: ThrottledLog, peer: str, status: int, exc: BaseException | None, max_line: int
 ) -> web.Response:
@@ -141,18 +168,8 @@ def reply_to_error(
     request (its ``status``, 400), a handler timeout (504), an error that escaped the
     middleware (500)."""
     if isinstance(exc, HttpProcessingError):
-        kind = type(exc).__name__
-        what = describe_protocol_error(exc, max_line)
-        notes.note(
-            f"malformed requests ({kind})",
-            logging.INFO,
-            "malformed request from %s (%s: %s): answered %d and closed",
-            peer,
-            kind,
-            what,
-            status,
-        )
-        return error_response(status, f"malformed HTTP request: {what}", code="bad_request")
+        message = _note_malformed(notes, peer, status, exc, describe_protocol_error(exc, max_line))
+        return error_response(status, message, code="bad_request")
     if status == 504:
         return error_response(504, "the request timed out in the gateway", code="timeout")
     notes.note(

@@ -17,7 +17,8 @@ instead, which
   sent, and notes it in a :class:`ThrottledLog`: one short line per kind of error per
   minute plus a count of those held back, never any header or body content (both in
   protocol_errors.py); requests pipelined before it in the same read are answered
-  first (``_parse``);
+  first (``_parse``), and a body being read whose framing fails (a bad chunk line)
+  fails that read with the same 400 (``_fail_open_bodies``);
 - closes a connection whose request head is not complete ``header_timeout_s`` after it
   opened, or after the first byte of a later head, answering 408;
 - fails the body read of a request whose body is not complete ``body_timeout_s`` after
@@ -41,15 +42,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import resource
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import _ErrInfo
 
 from appliance.gateway.errors import Shape, error_response
-from appliance.gateway.protocol_errors import ThrottledLog, peer_of, raw_error, reply_to_error
+from appliance.gateway.protocol_errors import (
+    ThrottledLog,
+    malformed_body,
+    peer_of,
+    raw_error,
+    reply_to_error,
+)
 
 if TYPE_CHECKING:
     from aiohttp.streams import StreamReader
@@ -67,8 +74,6 @@ KEEPALIVE_TIMEOUT_S = 75.0
 CLOSE_LINGER_S = 1.0
 MAX_LINGERING = 256
 HEAD_END = b"\r\n\r\n"
-# File descriptors the daemon needs besides client connections (engines, pipes, files).
-FD_HEADROOM = 256
 
 
 @dataclass(frozen=True)
@@ -208,6 +213,8 @@ class GatewayRequestHandler(web.RequestHandler):
             self._start_head_timer()  # the first byte of a later request's head
         heads_before = self._request_count
         self._parse(data)
+        if self._parse_failed():
+            self._fail_open_bodies()
         if self._body is not None and self._body.is_eof():
             self._stop_body_timer()
         if self._request_count != heads_before:
@@ -239,6 +246,24 @@ class GatewayRequestHandler(web.RequestHandler):
 
     def _parse_failed(self) -> bool:
         return bool(self._messages) and isinstance(self._messages[-1][0], _ErrInfo)
+
+    def _fail_open_bodies(self) -> None:
+        """The parser failed inside a body it was reading (a bad chunk line): aiohttp
+        queues the error as the next request but leaves that body open, so its handler
+        waited in ``read()`` for ever, a connection slot held, no timer running when the
+        head and the bad chunk came in one read. The body's read fails instead, with the
+        400 a malformed head gets, and the connection closes with the answer."""
+        info = self._messages[-1][0]
+        bodies = [p for m, p in self._messages if not isinstance(m, _ErrInfo)]
+        bodies += [] if self._body is None else [self._body]  # a head read before this
+        bodies = [p for p in bodies if not p.is_eof()]
+        exc = info.exc if isinstance(info, _ErrInfo) else None
+        if not bodies or not isinstance(exc, HttpProcessingError):
+            return
+        failed = malformed_body(self._gw.notes, peer_of(self.transport), exc)
+        for payload in bodies:
+            payload.set_exception(failed)
+            payload.feed_eof()  # ended: aiohttp reads nothing more of it after the answer
 
     def _start_head_timer(self) -> None:
         self._stop_head_timer()
@@ -371,30 +396,3 @@ class GatewayRunner(web.AppRunner):
     async def cleanup(self) -> None:
         await super().cleanup()
         self.notes.close()
-
-
-def ensure_fd_room(max_connections: int) -> str | None:
-    """Raise the soft open-files limit to fit max_connections, up to the hard limit.
-
-    Outside systemd (whose unit sets LimitNOFILE) the soft limit is often 1024, below the
-    default cap: connections past it would fail in accept() instead of getting a 503.
-    Returns a warning when the hard limit is too low, else None.
-    """
-    need = max_connections + MAX_LINGERING + FD_HEADROOM
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY or soft >= need:
-        return None
-    target = need if hard == resource.RLIM_INFINITY else min(need, hard)
-    if target > soft:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-        except (OSError, ValueError):
-            target = soft
-    if target >= need:
-        return None
-    return (
-        f"gateway.max_connections = {max_connections} but this process may open only "
-        f"{target} files (ulimit -n; hard limit {hard}): connections beyond about "
-        f"{max(target - MAX_LINGERING - FD_HEADROOM, 0)} will fail; raise LimitNOFILE or lower "
-        "gateway.max_connections"
-    )

@@ -22,14 +22,11 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from appliance.gateway import server
+from appliance.gateway import fd_room, server
+from appliance.gateway.errors import GatewayError
+from appliance.gateway.fd_room import ensure_fd_room
 from appliance.gateway.protocol_errors import ThrottledLog
-from appliance.gateway.server import (
-    BodyTimeout,
-    ConnectionLimits,
-    GatewayRunner,
-    ensure_fd_room,
-)
+from appliance.gateway.server import BodyTimeout, ConnectionLimits, GatewayRunner
 
 FAKE_KEY = b"sk-la-FAKEKEYDONOTLOG0123456789abcdef"
 # serve runs on uvloop where it is installed, whose transports differ from asyncio's
@@ -58,6 +55,8 @@ async def body_timeout_to_408(
     try:
         return await handler(request)
     except BodyTimeout as exc:
+        return exc.response()
+    except GatewayError as exc:
         return exc.response()
 
 
@@ -296,6 +295,40 @@ def test_a_body_that_trickles_in_gets_408_and_the_connection_closes(run: Run) ->
     run(scenario())
 
 
+@pytest.mark.parametrize("writes", [1, 2])
+def test_a_bad_chunk_line_in_a_body_being_read_gets_400_at_once_and_a_close(
+    run: Run, caplog: pytest.LogCaptureFixture, writes: int
+) -> None:
+    """A chunked body whose chunk line is bad, after a head the handler already has: in
+    one read with it (the body's end after it makes two heads of it for _parse), that
+    connection got no answer and no timer, for ever; in a read of its own, a 408 after
+    body_timeout_s. Both are the 400 of a malformed request, at once, echoing nothing."""
+
+    async def scenario() -> None:
+        head = b"POST /echo HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n"
+        bad = FAKE_KEY[:2] + b"\r\nhello\r\n0\r\n\r\n"
+        async with gateway_server(ConnectionLimits(body_timeout_s=30.0)) as (port, _):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            try:
+                writer.write(head + bad if writes == 1 else head)
+                if writes == 2:
+                    await asyncio.sleep(0.2)  # the handler is reading the body by now
+                    writer.write(bad)
+                raw = await asyncio.wait_for(reader.read(), 5.0)  # until the server closes
+            finally:
+                writer.close()
+        status, headers, body = parse(raw)
+        assert status == 400, raw
+        assert headers["connection"].lower() == "close"
+        assert openai_error(body)["code"] == "bad_request"
+        assert FAKE_KEY[:2] not in body
+
+    with caplog.at_level(logging.INFO, logger="appliance.gateway"):
+        run(scenario())
+    lines = [r.getMessage() for r in caplog.records if r.name == "appliance.gateway"]
+    assert any("malformed request" in line and "body's framing" in line for line in lines)
+
+
 def test_a_whole_body_in_time_is_not_cut(run: Run, caplog: pytest.LogCaptureFixture) -> None:
     async def scenario() -> None:
         limits = ConnectionLimits(header_timeout_s=0.5, body_timeout_s=0.5)
@@ -391,7 +424,7 @@ def test_fd_limit_is_raised_to_fit_max_connections(monkeypatch: pytest.MonkeyPat
 
     monkeypatch.setattr(resource, "setrlimit", setrlimit)
     assert ensure_fd_room(1024) is None
-    assert limits["now"] == (1024 + server.MAX_LINGERING + server.FD_HEADROOM, 4096)
+    assert limits["now"] == (1024 + server.MAX_LINGERING + fd_room.FD_HEADROOM, 4096)
     warning = ensure_fd_room(10000)
     assert warning is not None and "gateway.max_connections = 10000" in warning
     assert limits["now"] == (4096, 4096)  # as far as the hard limit allows
