@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import aiohttp
 from aiohttp import web
+from aiohttp.http import HttpVersion11
 
 from appliance.gateway.answers import (
     EngineCall,
@@ -125,6 +126,11 @@ async def _stream_events(
     an error event after it."""
     request = call.client
     resp = stream_response(upstream.headers.get("Content-Type", "text/event-stream"))
+    if request.version < HttpVersion11:
+        # No length and no chunks in HTTP/1.0: only the close ends the stream, and
+        # aiohttp 3.14 keeps a keep-alive HTTP/1.0 connection open after it (the client
+        # waited for KEEPALIVE_TIMEOUT_S, and read a pipelined answer as more stream).
+        resp.force_close()
     first = True
     content = upstream.content
     pending = bytearray()  # a partial event

@@ -71,12 +71,15 @@ class Box:
             doc = raw.decode()
         return resp.status, {k.lower(): v for k, v in resp.getheaders()}, doc
 
-    def raw_10(self, path: str, body: dict[str, Any], key: str) -> tuple[int, bytes]:
-        """An HTTP/1.0 request (aiohttp's client path for its stream): status, body."""
+    def raw_10(
+        self, path: str, body: dict[str, Any], key: str, also: str = ""
+    ) -> tuple[int, bytes]:
+        """An HTTP/1.0 request (aiohttp's client path for its stream), ``also`` a header
+        line more: status, body (read until the gateway closes)."""
         data = json.dumps(body).encode()
         with socket.create_connection(("127.0.0.1", self.port), timeout=20) as sock:
             sock.sendall(
-                f"POST {path} HTTP/1.0\r\nHost: x\r\nAuthorization: Bearer {key}\r\n"
+                f"POST {path} HTTP/1.0\r\nHost: x\r\nAuthorization: Bearer {key}\r\n{also}"
                 f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n".encode()
                 + data
             )
@@ -166,6 +169,16 @@ def test_responses_whole_and_streamed_count_the_engines_usage(box: Box) -> None:
     after = box.tokens(box.alice_id)
     prompt = usage["input_tokens"] + done["usage"]["input_tokens"] + done10["input_tokens"]
     assert after == (before[0] + prompt, before[1] + 3 + 4 + 4)
+
+
+def test_an_http10_keep_alive_stream_ends_with_the_close(box: Box) -> None:
+    """Neither a length nor chunks in HTTP/1.0: the close is the stream's end, keep-alive
+    asked or not (the client read until the keep-alive timeout, 75 s, before)."""
+    body = {"model": CHAT, "messages": [{"role": "user", "content": "x"}], "stream": True}
+    code, raw = box.raw_10(
+        "/v1/chat/completions", body, box.alice, also="Connection: keep-alive\r\n"
+    )
+    assert code == 200 and raw.endswith(b"data: [DONE]\n\n"), raw[-200:]
 
 
 def test_a_missing_max_output_tokens_becomes_the_cap(box: Box) -> None:
