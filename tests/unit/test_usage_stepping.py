@@ -24,7 +24,7 @@ from appliance.gateway.ratelimit import RateLimiter
 from appliance.gateway.usage import UsageBook, usage_path
 from appliance.gateway.usage_counts import Usage
 from appliance.gateway.usage_events import Metering, StreamTap
-from appliance.gateway.usage_plan import Stepping, plan_usage, stepping_of
+from appliance.gateway.usage_plan import Stepping, UsagePlan, plan_usage, stepping_of
 
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1000}
 
@@ -83,18 +83,23 @@ def test_what_a_models_engines_do_is_read_from_its_config(
     assert stepping_of(served(**model)) == stepping
 
 
+def charged_to_key(tmp_path: Path, plan: UsagePlan, tap: StreamTap) -> tuple[int, int]:
+    """What the key is counted for one try of ``plan`` whose stream ``tap`` read."""
+    book = UsageBook(usage_path(tmp_path / "keys.json"), CollectorRegistry(), RateLimiter())
+    client: dict[str, object] = {"key": SimpleNamespace(id="k", tpm=None)}
+    parsed = SimpleNamespace(tpm_charge=0, usage=plan)
+    call = SimpleNamespace(client=client, parsed=parsed, meter=Metering(status=200, tap=tap))
+    book.finish(cast(EngineCall, call))
+    return book.counts.since(None)["k"]
+
+
 def cut_stream_charge(tmp_path: Path, fields: dict[str, Any], stepping: Stepping) -> int:
     """Completion tokens a key is charged for a chat stream cut after its role event and
     10 token events, no usage event."""
     plan = plan_usage("chat", True, {**BODY, **fields}, 4096, 1000, stepping=stepping)
     tap = StreamTap.for_plan(plan)
     tap.events = 1 + 10
-    book = UsageBook(usage_path(tmp_path / "keys.json"), CollectorRegistry(), RateLimiter())
-    client: dict[str, object] = {"key": SimpleNamespace(id="k", tpm=None)}
-    parsed = SimpleNamespace(tpm_charge=0, usage=plan)
-    call = SimpleNamespace(client=client, parsed=parsed, meter=Metering(status=200, tap=tap))
-    book.finish(cast(EngineCall, call))
-    return book.counts.since(None)["k"][1]
+    return charged_to_key(tmp_path, plan, tap)[1]
 
 
 @pytest.mark.parametrize(
@@ -117,14 +122,5 @@ def test_a_whole_stream_is_charged_the_engines_own_count(tmp_path: Path) -> None
     """The usage event, when it came, is the count, whatever the stepping."""
     plan = plan_usage("chat", True, {**BODY, "stream_interval": 8}, 4096, 1000)
     tap = StreamTap.for_plan(plan)
-    tap.events = 3
-    tap.usage = Usage(12, 17)
-    book = UsageBook(usage_path(tmp_path / "keys.json"), CollectorRegistry(), RateLimiter())
-    client: dict[str, object] = {"key": SimpleNamespace(id="k", tpm=None)}
-    call = SimpleNamespace(
-        client=client,
-        parsed=SimpleNamespace(tpm_charge=0, usage=plan),
-        meter=Metering(status=200, tap=tap),
-    )
-    book.finish(cast(EngineCall, call))
-    assert book.counts.since(None)["k"] == (12, 17)
+    tap.events, tap.usage = 3, Usage(12, 17)
+    assert charged_to_key(tmp_path, plan, tap) == (12, 17)
