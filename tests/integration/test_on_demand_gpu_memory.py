@@ -57,7 +57,8 @@ def test_the_next_model_starts_only_once_the_last_ones_gpu_memory_is_free(
         with run_appliance(tmp_path, cfg, env) as app:
             app.wait_for(lambda: (tmp_path / "admin.key").exists(), 120, "the first admin key")
             key = (tmp_path / "admin.key").read_text().strip()
-            app.wait_for(lambda: get_json(app.url + "/healthz")[0] == 200, 60, "the gateway")
+            # /readyz: until the start sweep is over a request gets 503 starting.
+            app.wait_for(lambda: get_json(app.url + "/readyz")[0] == 200, 60, "started")
 
             def call(method: str, path: str, body: Any = None) -> tuple[int, Any]:
                 return call_json(app.url, key, method, path, body)

@@ -97,8 +97,9 @@ def box(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Box]:
     with run_appliance(tmp, cfg, env) as app:
         app.wait_for(lambda: (tmp / "admin.key").exists(), 120, "the first admin key")
         b = Box(app, (tmp / "admin.key").read_text().strip(), nvml)
-        # admin.key is written before the gateway listens: wait for it to answer first.
-        b.wait(lambda: get_json(app.url + "/healthz")[0] == 200, "the gateway")
+        # admin.key is written before the gateway listens, and until the start sweep is
+        # over a request gets 503 starting: /readyz says both are past.
+        b.wait(lambda: get_json(app.url + "/readyz")[0] == 200, "the daemon started")
         yield b
 
 

@@ -125,7 +125,8 @@ def box(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Box]:
     with run_appliance(tmp, cfg, env) as app:
         app.wait_for(lambda: (tmp / "admin.key").exists(), 120, "the first admin key")
         b = Box(app, (Path(tmp) / "admin.key").read_text().strip())
-        b.app.wait_for(lambda: get_json(app.url + "/healthz")[0] == 200, 60, "the gateway")
+        # /readyz, not /healthz: until the start sweep is over a request gets 503 starting.
+        b.app.wait_for(lambda: get_json(app.url + "/readyz")[0] == 200, 60, "the daemon started")
         yield b
 
 
