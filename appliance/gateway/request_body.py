@@ -21,7 +21,13 @@ from appliance.config import GatewayConfig
 from appliance.gateway.errors import GatewayError
 from appliance.gateway.json_bounds import TooMuchStructure, check_structure, may_exceed
 from appliance.gateway.protocols import ROUTES, StateRef
-from appliance.gateway.usage_plan import Stepping, UsagePlan, insert_stream_usage, plan_usage
+from appliance.gateway.usage_plan import (
+    ONE_TOKEN,
+    Stepping,
+    UsagePlan,
+    insert_stream_usage,
+    plan_usage,
+)
 from appliance.policy.routing import session_key
 
 
@@ -140,7 +146,7 @@ def finish_body(
     max_model_len: int,
     model: str | None = None,
     sent: str | None = None,
-    stepping: Stepping | None = None,
+    stepping: Stepping = ONE_TOKEN,
 ) -> ParsedRequest:
     """What the request costs on ``model``'s engines (whose context is ``max_model_len``,
     whose streams carry ``stepping``'s tokens per event) and what they are sent. The

@@ -136,7 +136,7 @@ def plan_usage(
     bound: Callable[[Mapping[str, Any], int], int] | None = None,
     reader: Callable[[bytes], EventUsage | None] | None = None,
     answer: Callable[[bytes], Usage | None] | None = None,
-    stepping: Stepping | None = None,
+    stepping: Stepping = ONE_TOKEN,
 ) -> UsagePlan:
     """Ask for the stream's usage event when the client did not (``body`` is updated);
     what the upper bound needs is kept, for a request cut off before its count. Routes
@@ -159,7 +159,7 @@ def plan_usage(
             bound,
             reader,
             answer,
-            ONE_TOKEN.per_event(body) if stepping is None else stepping.per_event(body),
+            stepping.per_event(body),
         )
 
     if not stream or route not in ROUTES_WITH_STREAM_USAGE:
