@@ -81,14 +81,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _check_files(config: Config) -> tuple[list[str], list[str]]:
-    """(problems, warnings) about the files the daemon reads at start: the keys file and
-    a ``file:`` sensors source, by the daemon's own readers and parsers."""
+    """(problems, warnings) about the files the daemon reads at start: the keys file, a
+    ``file:`` sensors source (by the daemon's own readers and parsers), and every model,
+    the engine python and the caches the engines load (there, and only trusted accounts
+    could change them: :mod:`appliance.config.model_places`)."""
+    from appliance import paths
+    from appliance.config.model_places import check_engine_files
     from appliance.gateway.keys import check_keys_file
     from appliance.supervisor.boot import check_telemetry_source
 
     keys = check_keys_file(Path(config.gateway.keys_file))
     sensors = check_telemetry_source(config)
-    return keys[0] + sensors[0], keys[1] + sensors[1]
+    engines = check_engine_files(config, paths.appliance_home(), os.environ)
+    return keys[0] + sensors[0] + engines[0], keys[1] + sensors[1] + engines[1]
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:

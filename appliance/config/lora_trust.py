@@ -29,7 +29,8 @@ from pathlib import PurePosixPath
 from appliance import paths
 
 MAX_LINKS = 40  # the kernel's own limit on links followed in one path (ELOOP)
-_WHY = "could change the adapter between the appliance's check and the engine's load"
+_WHY = "could change {what} between the appliance's check and the engine's load"
+ADAPTER = "the adapter"
 
 
 def trusted_owners() -> frozenset[int]:
@@ -41,29 +42,36 @@ def trusted_owners() -> frozenset[int]:
     return frozenset(uids)
 
 
-def untrusted(folder: str, trusted: Iterable[int] | None = None) -> str | None:
+def untrusted(folder: str, trusted: Iterable[int] | None = None, what: str = ADAPTER) -> str | None:
     """Why an account other than ``trusted`` (default :func:`trusted_owners`) could change
-    what vLLM loads from the adapter folder ``folder`` (absolute), or None. OSError when
-    the folder (or a path on the way) cannot be looked at."""
+    what vLLM loads from the folder ``folder`` (absolute), or None. OSError when the
+    folder (or a path on the way) cannot be looked at. ``what`` names it in the sentence
+    ("the adapter", "the model"). The same rule serves models, the engine python and
+    the caches (:mod:`appliance.config.model_places`); a plain file (a GGUF model, the
+    python) is judged on its way and by itself."""
     owners = trusted_owners() if trusted is None else frozenset(trusted)
-    real, problem = _walk(PurePosixPath(folder), owners)
+    real, problem = _walk(PurePosixPath(folder), owners, what)
     if problem is not None:
         return problem
     st = os.stat(real)
+    if not stat.S_ISDIR(st.st_mode):
+        return None  # judged on the way, as the last entry
     if stat.S_IMODE(st.st_mode) & 0o022:  # no sticky pass here: see the module's doc
-        return _writable(real, st)
+        return _writable(real, st, what)
     for entry in sorted(os.listdir(real)):
-        problem = _walk(real / entry, owners)[1]
+        problem = _walk(real / entry, owners, what)[1]
         if problem is not None:
             return problem
     return None
 
 
-def _walk(path: PurePosixPath, owners: frozenset[int]) -> tuple[PurePosixPath, str | None]:
+def _walk(
+    path: PurePosixPath, owners: frozenset[int], what: str = ADAPTER
+) -> tuple[PurePosixPath, str | None]:
     """``path`` resolved as the kernel resolves it, and the first entry on the way that
     an untrusted account could change (None: none)."""
     here = PurePosixPath("/")
-    problem = _judge(here, os.lstat(here), owners)
+    problem = _judge(here, os.lstat(here), owners, what)
     todo = list(path.parts[1:])
     links = 0
     while todo and problem is None:
@@ -73,7 +81,7 @@ def _walk(path: PurePosixPath, owners: frozenset[int]) -> tuple[PurePosixPath, s
             continue
         there = here / part
         st = os.lstat(there)
-        problem = _judge(there, st, owners)
+        problem = _judge(there, st, owners, what)
         if stat.S_ISLNK(st.st_mode):
             links += 1
             if links > MAX_LINKS:
@@ -88,12 +96,14 @@ def _walk(path: PurePosixPath, owners: frozenset[int]) -> tuple[PurePosixPath, s
     return here, problem
 
 
-def _judge(path: PurePosixPath, st: os.stat_result, owners: frozenset[int]) -> str | None:
+def _judge(
+    path: PurePosixPath, st: os.stat_result, owners: frozenset[int], what: str = ADAPTER
+) -> str | None:
     """Whether an untrusted account could change this one entry (a link: replace it)."""
     if st.st_uid not in owners:
         return (
-            f"{path} belongs to {_user(st.st_uid)}, who {_WHY}; make it root's "
-            f"(chown root: {path}) or the service account's, or copy the adapter to a "
+            f"{path} belongs to {_user(st.st_uid)}, who {_WHY.format(what=what)}; make it "
+            f"root's (chown root: {path}) or the service account's, or copy {what} to a "
             "folder that is"
         )
     mode = stat.S_IMODE(st.st_mode)
@@ -101,13 +111,14 @@ def _judge(path: PurePosixPath, st: os.stat_result, owners: frozenset[int]) -> s
         return None
     if stat.S_ISDIR(st.st_mode) and mode & stat.S_ISVTX:
         return None  # like /tmp: only an entry's owner may rename or remove it
-    return _writable(path, st)
+    return _writable(path, st, what)
 
 
-def _writable(path: PurePosixPath, st: os.stat_result) -> str:
+def _writable(path: PurePosixPath, st: os.stat_result, what: str = ADAPTER) -> str:
     mode = stat.S_IMODE(st.st_mode)
     who = "every account" if mode & 0o002 else f"the group {_group(st.st_gid)}"
-    return f"{path} is writable by {who} (mode {mode:04o}), which {_WHY}; chmod go-w {path}"
+    why = _WHY.format(what=what)
+    return f"{path} is writable by {who} (mode {mode:04o}), which {why}; chmod go-w {path}"
 
 
 def _user(uid: int) -> str:

@@ -11,11 +11,22 @@ disk) and :mod:`~appliance.doctor.engine_sockets` (the sockets' directory, the p
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from appliance import paths
 from appliance.config import Config
+from appliance.config.model_places import (
+    Located,
+    NamedModel,
+    cache_dirs,
+    cache_problems,
+    engine_env,
+    model_trust_problem,
+    named_models,
+    python_trust_problem,
+)
 from appliance.doctor.engine_sockets import (
     RUNTIME_DIR_ENV,
     UNIT_RUNTIME_DIR,
@@ -53,8 +64,10 @@ __all__ = [
     "WEIGHT_SUFFIXES",
     "Run",
     "VenvProbe",
+    "check_caches",
     "check_engine_venv",
     "check_model",
+    "check_models",
     "check_ports",
     "check_socket_dir",
     "find_cached_model",
@@ -126,7 +139,23 @@ def check_engine_venv(
             " and point engine.python there, or leave it empty",
             python=python,
         )
+    unsafe = python_trust_problem(Path(python))
+    if unsafe is not None:
+        return fail("engine venv", f"{where}: {unsafe}", unsafe.rsplit("; ", 1)[-1], python=python)
     return _judge_venv_answer(python, probe(python), device, fix)
+
+
+def check_caches(config: Config, env: Mapping[str, str]) -> Result:
+    """The caches the engines read back (compiled graphs and kernels, hub files): only
+    trusted accounts may change them, as for the models (what is in them runs)."""
+    eenv = engine_env(config, env)
+    found = cache_dirs(eenv)
+    if not found:
+        return na("caches", "no engine cache yet (the engines make them as they start)")
+    problems = cache_problems(eenv)
+    if problems:
+        return fail("caches", "\n".join(problems), problems[0].rsplit("; ", 1)[-1])
+    return ok("caches", ", ".join(f"{n} ({p})" for n, p in found))
 
 
 def _judge_venv_answer(python: str, answer: VenvProbe, device: str, fix: str) -> Result:
@@ -164,6 +193,34 @@ def _judge_venv_answer(python: str, answer: VenvProbe, device: str, fix: str) ->
 # --- the model ---------------------------------------------------------------------------
 
 
+def check_models(
+    config: Config,
+    home: Path,
+    *,
+    device: str,
+    account: Account,
+    env: Mapping[str, str],
+    gpu_totals: Sequence[int] = (),
+    under_unit: bool = False,
+) -> list[Result]:
+    """One line per model the config names (every ``[[models]]`` table's, each
+    speculative draft): there, a model, readable by ``account``, changeable by trusted
+    accounts only, and its weights within the GPU budget. Without ``[[models]]`` the one
+    line is named ``model``; with them ``model NAME`` (``draft model NAME``)."""
+    named = named_models(config)
+    if not named:
+        return [na("model", "engine.command does not use {model}")]
+    eenv = engine_env(config, env)
+    by_name = {m.name: m for m in config.served}
+    out = []
+    for n in named:
+        line = "model" if not config.models else f"model {n.served}"
+        line = f"draft {line}" if n.draft else line
+        where = _Where(line, n, by_name[n.served].engine.gpu_memory_utilization)
+        out.append(_check_one(where, home, device, account, eenv, gpu_totals, under_unit))
+    return out
+
+
 def check_model(
     config: Config,
     home: Path,
@@ -174,76 +231,106 @@ def check_model(
     gpu_totals: Sequence[int] = (),
     under_unit: bool = False,
 ) -> Result:
-    """The model is there, readable by ``account``, and its weights fit the GPU budget."""
-    if not _uses(config, "model"):
-        return na("model", "engine.command does not use {model}")
-    path, named = locate_model(config, home, env)
-    if path is None:
+    """The first model's line (a config without ``[[models]]`` has one model)."""
+    return check_models(
+        config,
+        home,
+        device=device,
+        account=account,
+        env=env,
+        gpu_totals=gpu_totals,
+        under_unit=under_unit,
+    )[0]
+
+
+@dataclass(frozen=True)
+class _Where:
+    line: str  # the doctor line's name
+    named: NamedModel
+    gpu_memory_utilization: float
+
+
+def _check_one(
+    where: _Where,
+    home: Path,
+    device: str,
+    account: Account,
+    env: Mapping[str, str],
+    gpu_totals: Sequence[int],
+    under_unit: bool,
+) -> Result:
+    located, label = locate_model(where.named, home, env)
+    if located.path is None:
         return fail(
-            "model",
-            named,
+            where.line,
+            f"{label}: {located.problem}",
             "models are never downloaded at run time: put it in that cache, or set "
-            "engine.model to a local folder",
+            f"{where.named.key} to a local folder",
         )
-    problem = _model_place_problem(config, path, named, device, account, under_unit)
+    problem = _model_place_problem(where, located, label, device, account, under_unit)
     if problem is not None:
         return problem
-    return _model_fit(config, path, named, device, gpu_totals)
+    return _model_fit(where, located.path, label, device, gpu_totals)
 
 
 def _model_place_problem(
-    config: Config, path: Path, named: str, device: str, account: Account, under_unit: bool
+    where: _Where, located: Located, label: str, device: str, account: Account, under_unit: bool
 ) -> Result | None:
-    """The failed line when the model is missing, not a model folder, hidden or unreadable."""
-    fix = setup_fix(device) if not config.engine.model else "fix engine.model"
-    if not path.exists():
-        return fail("model", f"{named}: {path} does not exist", fix, path=str(path))
-    if path.is_dir() and not any((path / f).is_file() for f in ("config.json", "params.json")):
-        return fail(
-            "model",
-            f"{named}: {path} has no config.json (not a Hugging Face model folder)",
-            fix if not config.engine.model else "point engine.model at the model's folder",
-            path=str(path),
-        )
+    """The failed line when the model is missing, not a model folder, hidden, unreadable
+    or changeable by an account the appliance does not trust."""
+    path, name, key = located.path, where.line, where.named.key
+    assert path is not None
+    if located.problem is not None:
+        if located.unprepared:
+            fix = setup_fix(device)
+        elif not path.exists():
+            fix = f"fix {key}"
+        else:
+            fix = f"point {key} at the model's folder"
+        return fail(name, f"{label}: {located.problem}", fix, path=str(path))
     top = _hidden(str(path.absolute()))
     if under_unit and top is not None:
         return fail(
-            "model",
-            f"{named}: {path} is under {top}, which the unit hides (ProtectHome=yes)",
-            "move the model elsewhere (/var/lib/llm-appliance, /srv, /opt) and point "
-            "engine.model there",
+            name,
+            f"{label}: {path} is under {top}, which the unit hides (ProtectHome=yes)",
+            f"move the model elsewhere (/var/lib/llm-appliance, /srv, /opt) and point {key} there",
             path=str(path),
         )
     bad = unreadable(path, account)
     if bad:
         more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
         return fail(
-            "model",
-            f"{named}: {account.name} cannot read " + ", ".join(bad[:3]) + more,
+            name,
+            f"{label}: {account.name} cannot read " + ", ".join(bad[:3]) + more,
             f"chown -R {account.chown_spec} {path} (or make it world-readable)",
             path=str(path),
         )
+    unsafe = model_trust_problem(located)
+    if unsafe is not None:
+        fix = unsafe.rsplit("; ", 1)[-1]
+        return fail(name, f"{label}: {unsafe}", fix, path=str(path))
     return None
 
 
 def _model_fit(
-    config: Config, path: Path, named: str, device: str, gpu_totals: Sequence[int]
+    where: _Where, path: Path, named: str, device: str, gpu_totals: Sequence[int]
 ) -> Result:
-    """The line for the model's size, and on CUDA whether its weights fit the GPU budget."""
+    """The line for the model's size, and on CUDA whether its weights fit the GPU budget
+    (a draft model's shares its model's budget: said, not judged)."""
     size = model_size(path)
     detail = f"{named}: {path}, {gib(size)} on disk"
     data: dict[str, Any] = {"path": str(path), "size_bytes": size}
-    if device == "cuda" and gpu_totals:
-        util = config.engine.gpu_memory_utilization
+    if device == "cuda" and gpu_totals and not where.named.draft:
+        util = where.gpu_memory_utilization
         budget = min(gpu_totals) * util
         data["gpu_budget_bytes"] = int(budget)
         detail += f", GPU budget {gib(budget)} ({gib(min(gpu_totals))} × {util:g})"
         if size >= budget:
             return fail(
-                "model",
+                where.line,
                 detail + ": the weights alone do not fit",
                 "use a smaller or quantized model, or raise engine.gpu_memory_utilization",
                 **data,
             )
         detail += f", {gib(budget - size)} left for the KV cache"
-    return ok("model", detail, **data)
+    return ok(where.line, detail, **data)

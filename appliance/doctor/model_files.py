@@ -1,7 +1,8 @@
 """Finding an engine's model on disk and reading it as the service account would.
 
 Models are never downloaded at run time: a model id is looked up in the local Hugging
-Face hub caches only. Sizes count each blob once (the hub cache links snapshots to
+Face hub caches only (:mod:`appliance.config.model_places`, shared with check-config and
+the daemon's start). Sizes count each blob once (the hub cache links snapshots to
 blobs) and only the weights when there are any.
 """
 
@@ -9,46 +10,29 @@ from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
-from appliance import paths
-from appliance.config import Config
+from appliance.config.model_places import (
+    Located,
+    NamedModel,
+    find_cached_model,
+    hf_cache_dirs,
+    locate,
+)
 from appliance.doctor.result import Account, octal_mode
 
+__all__ = [
+    "WEIGHT_SUFFIXES",
+    "find_cached_model",
+    "hf_cache_dirs",
+    "locate_model",
+    "may",
+    "model_size",
+    "unreadable",
+]
+
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
-
-
-def hf_cache_dirs(env: Mapping[str, str]) -> list[Path]:
-    """Where a model id may already be cached (never downloaded: HF_HUB_OFFLINE=1)."""
-    dirs = []
-    if env.get("HF_HUB_CACHE"):
-        dirs.append(Path(env["HF_HUB_CACHE"]))
-    if env.get("HF_HOME"):
-        dirs.append(Path(env["HF_HOME"]) / "hub")
-    if env.get("XDG_CACHE_HOME"):
-        dirs.append(Path(env["XDG_CACHE_HOME"]) / "huggingface" / "hub")
-    # The unit's XDG_CACHE_HOME, and the usual default.
-    dirs.append(Path("/var/cache/llm-appliance/huggingface/hub"))
-    dirs.append(Path(env.get("HOME", "/")) / ".cache" / "huggingface" / "hub")
-    return list(dict.fromkeys(dirs))
-
-
-def find_cached_model(model_id: str, caches: Sequence[Path]) -> Path | None:
-    """The snapshot folder of ``model_id`` in a Hugging Face hub cache, if any."""
-    folder = "models--" + model_id.replace("/", "--")
-    for cache in caches:
-        snapshots = cache / folder / "snapshots"
-        ref = cache / folder / "refs" / "main"
-        try:
-            if ref.is_file() and (snapshots / ref.read_text().strip()).is_dir():
-                return snapshots / ref.read_text().strip()
-            found = sorted(p for p in snapshots.iterdir() if p.is_dir())
-        except OSError:
-            continue
-        if found:
-            return found[-1]
-    return None
 
 
 def _walk(path: Path) -> Iterator[tuple[Path, os.stat_result]]:
@@ -113,15 +97,11 @@ def model_size(path: Path) -> int:
     return weights or total
 
 
-def locate_model(config: Config, home: Path, env: Mapping[str, str]) -> tuple[Path | None, str]:
-    """(where the model is, how it was named) or (None, why it is not found)."""
-    m = config.engine.model
-    if not m:
-        return paths.packaged_model(home), "the packaged model"
-    if m.startswith(("/", "./", "../", "~")):
-        return Path(m).expanduser(), f"engine.model = {m!r}"
-    cached = find_cached_model(m, hf_cache_dirs(env))
-    if cached is None:
-        where = ", ".join(str(c) for c in hf_cache_dirs(env))
-        return None, f"engine.model = {m!r} is not in the local Hugging Face cache ({where})"
-    return cached, f"engine.model = {m!r} (cached)"
+def locate_model(named: NamedModel, home: Path, env: Mapping[str, str]) -> tuple[Located, str]:
+    """Where one model the config names is (:func:`appliance.config.model_places.locate`)
+    and how to name it to a person."""
+    located = locate(named.value, home, env)
+    label = f"{named.key} = {named.value!r}" if named.value else "the packaged model"
+    if located.how == "cached":
+        label += " (cached)"
+    return located, label

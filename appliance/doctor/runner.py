@@ -20,8 +20,9 @@ from appliance import __version__, paths
 from appliance.config import Config, config_warnings, load_config
 from appliance.doctor.engine import (
     VenvProbe,
+    check_caches,
     check_engine_venv,
-    check_model,
+    check_models,
     check_ports,
     check_socket_dir,
     probe_venv,
@@ -130,7 +131,7 @@ def _engine_checks(
             probe=lambda py: probes.venv(py, engine_env, account),
             under_unit=under_unit,
         ),
-        check_model(
+        *check_models(
             config,
             home,
             device=device,
@@ -139,6 +140,7 @@ def _engine_checks(
             gpu_totals=gpu_totals,
             under_unit=under_unit,
         ),
+        check_caches(config, env),
     ]
     if config.engine.listen == "unix":
         results.append(check_socket_dir(runtime_dir(env), account))
@@ -225,7 +227,7 @@ def run_checks(
             probes=probes,
         )
     else:
-        results += [na(n, "the config is invalid") for n in ("engine venv", "model")]
+        results += [na(n, "the config is invalid") for n in ("engine venv", "model", "caches")]
     results += _host_checks(config, home, account, unit, probes)
     source = (config.source or "built-in defaults") if config is not None else None
     return Report(tuple(results), source, account.name, str(home))

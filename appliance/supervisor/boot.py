@@ -2,7 +2,9 @@
 
 The plan itself is pure (:func:`appliance.plan.plan_engines`); this gathers the
 machine's facts for it (GPU count, usable cores), opens the telemetry source, and
-makes the private directory for engine sockets.
+makes the private directory for engine sockets. Before the plan, the files the engines
+will load (models, the engine python, the caches) are judged as check-config judges
+them (:mod:`appliance.config.model_places`).
 
 Telemetry: ``nvml`` on a machine without NVIDIA's driver is the normal CPU case (no GPU
 telemetry, logged at INFO). A ``file:`` source that cannot be opened at start (a typo,
@@ -20,8 +22,9 @@ from pathlib import Path
 
 from appliance import endpoint
 from appliance.config import Config
+from appliance.config.model_places import trust_problems
 from appliance.engine import EngineSpec
-from appliance.errors import ConfigError
+from appliance.errors import ConfigError, EngineSetupError
 from appliance.plan import EnginePlan, plan_engines, usable_cores
 from appliance.systemd import child_environment
 from appliance.telemetry import TelemetryError, TelemetrySource, check_sensors_file, open_source
@@ -114,7 +117,14 @@ def make_plan(
     sockets: SocketDir,
     kept: Mapping[str, Sequence[int]] | None = None,
 ) -> EnginePlan:
-    """``kept``: per model, the ranks of the LoRA adapters the admin added (adapters.py)."""
+    """``kept``: per model, the ranks of the LoRA adapters the admin added (adapters.py).
+
+    Every model, the engine python and the caches are judged first as check-config
+    judges them: one another local account could change is refused before any engine
+    loads it (exit 3, each problem named with its key and the fix)."""
+    untrusted = trust_problems(config, home, child_environment(env))
+    if untrusted:
+        raise EngineSetupError("; ".join(untrusted))
     return plan_engines(
         config,
         gpu_count=gpus,

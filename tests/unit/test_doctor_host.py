@@ -302,6 +302,7 @@ def test_a_healthy_cpu_box_exits_0(tmp_path: Path, gateway: tuple[int, type[_Rea
         "nvidia": "na",
         "engine venv": "ok",
         "model": "ok",
+        "caches": "na",
         "engine sockets": "na",
         "state dir": "ok",
         "keys file": "na",
