@@ -1,8 +1,11 @@
 """The table `llm-appliance status` prints: the appliance's line, the engines, the GPUs.
 
-Pure functions from the ``GET /admin/status`` document to text; no I/O. With several
-models the engines come in one block per model, under a line saying whether the model is
-ready; a daemon older than models (no ``model``, only ``gpu``) still gets a table.
+Pure functions from the ``GET /admin/status`` document to text; no I/O. Whether the box
+and each model are ready is /readyz's verdict, which the document carries (``ready``,
+``readiness``): the table never says ready where /readyz says 503, nor DOWN for a model
+on demand put away. With several models the engines come in one block per model, under
+a line with the model's word; a daemon older than models (no ``model``, only ``gpu``)
+still gets a table.
 """
 
 from __future__ import annotations
@@ -55,11 +58,36 @@ def group_by_model(engines: list[dict[str, Any]]) -> dict[str, list[dict[str, An
     return groups
 
 
-def model_heading(name: str, engines: list[dict[str, Any]]) -> str:
-    """``model chat: ready, 1/2 engines READY``: ready while some engine is READY (it can
-    take the model's requests), else DOWN (its requests get 503 or go to its fallback)."""
+PUT_AWAY_NOTE = {
+    "unloaded": "put away, its next request loads it",
+    "sleeping": "asleep, its next request wakes it",
+    "loading": "loading",
+    "unloading": "being put away",
+}
+
+
+def model_word(name: str, engines: list[dict[str, Any]], doc: dict[str, Any]) -> str:
+    """A model's word as /readyz says it (``readiness.models``: ready, down, unloaded,
+    sleeping, loading, unloading); a daemon older than that: ready while some engine
+    is READY, else down."""
+    words = (doc.get("readiness") or {}).get("models") or {}
+    if name in words:
+        return str(words[name])
+    return "ready" if any(e["state"] == "READY" for e in engines) else "down"
+
+
+def model_heading(name: str, engines: list[dict[str, Any]], word: str | None = None) -> str:
+    """``model chat: ready, 1/2 engines READY``: /readyz's word for the model (``word``;
+    None: ready while some engine is READY). Down is DOWN (its requests get 503 or go to
+    its fallback); a model on demand put away says so, and that its next request loads
+    it: it is not down."""
     n_ready = sum(e["state"] == "READY" for e in engines)
-    return f"model {name}: {'ready' if n_ready else 'DOWN'}, {n_ready}/{len(engines)} engines READY"
+    if word is None:
+        word = "ready" if n_ready else "down"
+    shown = "DOWN" if word == "down" else word
+    if word in PUT_AWAY_NOTE and word != "loading":
+        shown += f" ({PUT_AWAY_NOTE[word]})"
+    return f"model {name}: {shown}, {n_ready}/{len(engines)} engines READY"
 
 
 def _engine_row(e: dict[str, Any]) -> tuple[str, ...]:
@@ -93,7 +121,8 @@ def _engine_lines(doc: dict[str, Any]) -> list[str]:
     for name, engines in groups.items():
         if out:
             out.append("")
-        out += [model_heading(name or "(unnamed)", engines), line(ENGINE_COLUMNS)]
+        heading = model_heading(name or "(unnamed)", engines, model_word(name, engines, doc))
+        out += [heading, line(ENGINE_COLUMNS)]
         out += [line(_engine_row(e)) for e in engines]
     return out
 
@@ -131,14 +160,31 @@ def _model_lines(models: list[dict[str, Any]]) -> list[str]:
     return out
 
 
+def _verdict(doc: dict[str, Any]) -> tuple[str, list[str]]:
+    """The head's word and the lines that say why it is not ready: /readyz's verdict
+    (``ready`` and ``readiness`` carry it), so the two never disagree."""
+    readiness = doc.get("readiness") or {}
+    if doc["ready"]:
+        return "ready", []
+    why = readiness.get("status")
+    word = "NOT READY" + (f" ({why})" if why and why != "stopping" else "")
+    reasons = readiness.get("reasons") or {}
+    lines = [f"engine {e}: {reason}" for e, reason in sorted(reasons.items(), key=_engine_key)]
+    return word, lines
+
+
+def _engine_key(item: tuple[str, Any]) -> tuple[int, str]:
+    return (int(item[0]) if str(item[0]).isdigit() else 1 << 30, str(item[0]))
+
+
 def render_table(doc: dict[str, Any]) -> str:
+    word, why = _verdict(doc)
     head = (
-        f"llm-appliance {doc['version']} on {doc['device']}: "
-        f"{'ready' if doc['ready'] else 'NOT READY'}"
+        f"llm-appliance {doc['version']} on {doc['device']}: {word}"
         f"{'' if doc['accepting'] else ' (stopping)'}, queue {doc['queue_depth']}, "
         f"up {doc['uptime_s']:.0f} s"
     )
-    out = [head, "", *_engine_lines(doc), *_engine_notes(doc["engines"])]
+    out = [head, *why, "", *_engine_lines(doc), *_engine_notes(doc["engines"])]
     out += _model_lines(doc.get("models") or [])
     if doc["gpus"]:
         out += ["", "GPU  TEMP  POWER       MEM USED  UTIL  LEVEL  CLOCK EVENTS"]

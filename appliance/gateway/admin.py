@@ -37,6 +37,7 @@ from appliance.gateway.admin_adapters import (
 )
 from appliance.gateway.errors import GatewayError
 from appliance.gateway.keys import KeyRecord, KeysFileError, KeySpecError, validate_key_id
+from appliance.gateway.probes import readiness
 
 if TYPE_CHECKING:
     from appliance.gateway.app import Gateway
@@ -105,6 +106,10 @@ def _gpu_json(g: GpuStatus) -> dict[str, Any]:
 def status_document(gw: Gateway) -> dict[str, Any]:
     """GET /admin/status, which `llm-appliance status --json` prints as it is."""
     status = gw.appliance.status()
+    # /readyz's own verdict (probes.readiness), so `status` and /readyz never disagree:
+    # a box whose engines are READY but too hot to admit is not ready, and a model on
+    # demand put away is not down.
+    code, verdict = readiness(gw)
     return {
         "version": __version__,
         "device": status.device,
@@ -112,7 +117,15 @@ def status_document(gw: Gateway) -> dict[str, Any]:
         "cpu_dtype": status.cpu_dtype.as_json() if status.cpu_dtype else None,
         "uptime_s": round(time.time() - status.started_at, 1),
         "accepting": status.accepting,
-        "ready": status.ready,
+        "ready": code == 200,
+        # /readyz's word ("ready", "not admitting", "starting", ...), each model's word
+        # (ready, down, unloaded, sleeping, loading, unloading) and why engines admit
+        # nothing (engine id -> reason), as /readyz says them.
+        "readiness": {
+            "status": verdict["status"],
+            "models": verdict["models"],
+            "reasons": verdict.get("reasons", {}),
+        },
         "queue_depth": gw.admission.queue_depth,
         "engines": [_engine_json(gw, e, status.gpu(e.telemetry_index)) for e in status.engines],
         "gpus": [_gpu_json(g) for g in status.gpus],

@@ -55,43 +55,52 @@ class Probes:
         return web.json_response({"status": "ok"})
 
     async def readyz(self, request: web.Request) -> web.Response:
-        """200 while keys can be checked and a new request can be served: some engine
-        admits it now, or (nothing admitting) every model is an on-demand one put away
-        that its next request loads; else 503 and why not. Either way the body says
-        which models are ready, down or put away."""
-        gw = self.gw
-        accepting = gw.appliance.accepting
-        keys_problem = gw.keys.problem
-        ready = [s.id for s in gw.appliance.engines() if s.state.accepts_work]
-        loads = gw.admission.loads()
-        admitting = [load.id for load in loads if load.accepting]
-        models = models_ready(gw, set(admitting))
-        # State files failing to be written (a full disk): which, why, since when, no path
-        # (this route has no key); `doctor` reads it. Serving goes on: it is no 503.
-        writes = [f for w in gw.state_files() if (f := w.as_json()) is not None]
-        if accepting and keys_problem is None and (admitting or loadable(models)):
-            return web.json_response(
-                {
-                    "status": "ready",
-                    "engines_ready": ready,
-                    "engines_admitting": admitting,
-                    "models": models,
-                    "state_write_failures": writes,
-                }
-            )
-        body: dict[str, Any] = {"status": "starting" if gw.appliance.starting else "stopping"}
-        if accepting:
-            body["status"] = "keys file unusable" if keys_problem is not None else "not admitting"
-            if keys_problem is not None:
-                body["keys"] = KEYS_UNUSABLE
-            body["reasons"] = {str(e): why for e, why in not_admitting(gw).items()}
-        body |= {"engines_ready": ready, "engines_admitting": admitting, "models": models}
-        body["state_write_failures"] = writes
-        return web.json_response(body, status=503, headers={"Retry-After": "5"})
+        """200 while a new request can be served, else 503 and why not
+        (:func:`readiness`, which ``/admin/status`` and ``llm-appliance status`` carry too)."""
+        code, body = readiness(self.gw)
+        headers = {"Retry-After": "5"} if code != 200 else None
+        return web.json_response(body, status=code, headers=headers)
 
     async def metrics(self, request: web.Request) -> web.Response:
         body = generate_latest(self.gw.metrics.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def readiness(gw: Gateway) -> tuple[int, dict[str, Any]]:
+    """The one verdict on whether the box can serve: (200 or 503, /readyz's body).
+
+    200 while keys can be checked and a new request can be served: some engine admits it
+    now, or (nothing admitting) every model is an on-demand one put away that its next
+    request loads; else 503 and why not. Either way the body says which models are
+    ready, down or put away. ``/admin/status`` carries the same verdict (``ready`` and
+    ``readiness``), so `llm-appliance status` never says ready where /readyz says 503,
+    nor DOWN for a model put away."""
+    accepting = gw.appliance.accepting
+    keys_problem = gw.keys.problem
+    ready = [s.id for s in gw.appliance.engines() if s.state.accepts_work]
+    loads = gw.admission.loads()
+    admitting = [load.id for load in loads if load.accepting]
+    models = models_ready(gw, set(admitting))
+    # State files failing to be written (a full disk): which, why, since when, no path
+    # (this route has no key); `doctor` reads it. Serving goes on: it is no 503.
+    writes = [f for w in gw.state_files() if (f := w.as_json()) is not None]
+    if accepting and keys_problem is None and (admitting or loadable(models)):
+        return 200, {
+            "status": "ready",
+            "engines_ready": ready,
+            "engines_admitting": admitting,
+            "models": models,
+            "state_write_failures": writes,
+        }
+    body: dict[str, Any] = {"status": "starting" if gw.appliance.starting else "stopping"}
+    if accepting:
+        body["status"] = "keys file unusable" if keys_problem is not None else "not admitting"
+        if keys_problem is not None:
+            body["keys"] = KEYS_UNUSABLE
+        body["reasons"] = {str(e): why for e, why in not_admitting(gw).items()}
+    body |= {"engines_ready": ready, "engines_admitting": admitting, "models": models}
+    body["state_write_failures"] = writes
+    return 503, body
 
 
 def models_ready(gw: Gateway, admitting: set[int]) -> dict[str, str]:

@@ -73,8 +73,7 @@ def _check(
     monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
     config = tmp_path / "config.toml"
     config.write_text(
-        f'[gateway]\nkeys_file = "{tmp_path / "keys.json"}"\n[telemetry]\nsource = "none"\n'
-        + text
+        f'[gateway]\nkeys_file = "{tmp_path / "keys.json"}"\n[telemetry]\nsource = "none"\n' + text
     )
     code = main(["check-config", "--config", str(config)])
     return code, capsys.readouterr().err
@@ -110,7 +109,7 @@ def test_every_models_table_is_checked_and_named(
     code, err = _check(tmp_path, monkeypatch, capsys, text)
     assert code == EXIT_CONFIG
     assert f"models[1] (\"embed\").model = '{base / 'gone'}': {base / 'gone'}: no such" in err
-    assert f'models[2] ("other").model' in err and "no config.json" in err
+    assert 'models[2] ("other").model' in err and "no config.json" in err
     assert 'models[0] ("chat")' not in err
 
 

@@ -34,8 +34,9 @@ def home(tmp_path: Path) -> Path:
 def status_with(
     home: Path, engine: dict[str, Any], *, gpus: int, flags: frozenset[str]
 ) -> dict[str, Any]:
+    config = parse_config({"engine": engine})
     plan = plan_engines(
-        parse_config({"engine": engine}),
+        config,
         gpu_count=gpus,
         cores=[0, 1],
         home=home,
@@ -54,8 +55,12 @@ def status_with(
         gpus=(),
     )
     gw = SimpleNamespace(
-        appliance=SimpleNamespace(status=lambda: status),
-        admission=SimpleNamespace(queue_depth=0),
+        # What /readyz's verdict reads too (the document carries it): nothing runs yet.
+        appliance=SimpleNamespace(
+            status=lambda: status, accepting=True, starting=True, engines=tuple, config=config
+        ),
+        keys=SimpleNamespace(problem=None),
+        admission=SimpleNamespace(queue_depth=0, loads=list, kv_tripped={}, throttle_level={}),
         state_files=lambda: (),
         model_door=NoModels(),
     )

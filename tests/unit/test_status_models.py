@@ -132,3 +132,31 @@ def test_without_on_demand_models_there_is_no_models_table() -> None:
     d = doc(engine(0, model="chat"))
     d["models"] = [{"name": "chat", "load": "always", "state": "loaded", "last_used": None}]
     assert "MODEL " not in render_table(d)
+
+
+def test_the_verdict_is_readyz_s_own_a_model_put_away_is_not_down() -> None:
+    """With ``readiness`` (/readyz's verdict, issue 33): each model's word is /readyz's,
+    and a box that admits nothing says why, engine by engine."""
+    d = doc(engine(0, model="chat"), engine(1, "EXITED", model="embed"))
+    d["readiness"] = {
+        "status": "ready",
+        "models": {"chat": "ready", "embed": "unloaded"},
+        "reasons": {},
+    }
+    lines = render_table(d).splitlines()
+    assert "model embed: unloaded (put away, its next request loads it), 0/1 engines READY" in (
+        lines
+    )
+    hot = doc(engine(0, model="chat"), engine(1, model="chat"))
+    hot["ready"] = False
+    hot["readiness"] = {
+        "status": "not admitting",
+        "models": {"chat": "down"},
+        "reasons": {"1": "draining", "0": "throttled by heat (GPU at the hard limit)"},
+    }
+    lines = render_table(hot).splitlines()
+    assert lines[0].startswith("llm-appliance test on cuda: NOT READY (not admitting), queue 0")
+    assert lines[1:3] == [
+        "engine 0: throttled by heat (GPU at the hard limit)",
+        "engine 1: draining",
+    ]
