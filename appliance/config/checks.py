@@ -189,7 +189,28 @@ def config_warnings(cfg: Config) -> list[str]:
     ]
     for path, command in commands:
         warnings += _api_key_warnings(path, command)
+        warnings += _heat_restart_warnings(cfg, path, command)
     return warnings
+
+
+# What a heat restart halves (appliance/supervisor/planned.py): it finds the flag in the
+# engine's argv as an argument of its own, the number after it.
+BATCHED_TOKENS_FLAG = "--max-num-batched-tokens"
+
+
+def _heat_restart_warnings(cfg: Config, path: str, command: list[str]) -> list[str]:
+    """Heat restarts are on, but this command gives no ``--max-num-batched-tokens`` to
+    halve: its engines are never restarted for heat (only the admission throttle acts)."""
+    after = cfg.thermal.heat_restart_after_s
+    if not command or after <= 0 or BATCHED_TOKENS_FLAG in command:
+        return []
+    return [
+        f"{path}.command: has no {BATCHED_TOKENS_FLAG} argument, so thermal."
+        f"heat_restart_after_s = {after:g} does nothing for its engines (a heat restart "
+        "halves that number; the admission throttle still acts); add "
+        f'"{BATCHED_TOKENS_FLAG}", "<tokens>" (two arguments) to the command, or set '
+        "thermal.heat_restart_after_s = 0"
+    ]
 
 
 def _api_key_warnings(path: str, command: list[str]) -> list[str]:

@@ -178,7 +178,9 @@ class ThermalConfig:
         "with --max-num-batched-tokens halved (smaller batches, lower power); restored "
         "the same way after heat_restore_after_s at level 0. Pays off when a card "
         "cannot cool at full batch (poor airflow, hot room); otherwise the admission "
-        "throttle alone is cheaper than a restart.",
+        "throttle alone is cheaper than a restart. An engine whose `command` (engine's "
+        "or a model's) has no `--max-num-batched-tokens` argument gets no heat "
+        "restart: check-config warns, and the journal says so at start.",
         lo=0,
         live=True,
     )

@@ -4,7 +4,8 @@ Three things ask for a planned restart (drained first, one engine at a time): an
 the degradation detector, and the heat loop. Heat and degradation restarts must also
 fit ``restart.max_planned_restarts_per_hour``; a refusal is logged once, and the engine
 keeps serving as it is. A heat restart halves ``--max-num-batched-tokens`` (smaller
-batches, less power); once the GPU has been cool long enough, another restores it.
+batches, less power); once the GPU has been cool long enough, another restores it. An
+engine whose ``command`` has no such flag gets none (said once in the journal).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import time
 from collections.abc import Callable
 
 from appliance.config import Config
+from appliance.config.checks import BATCHED_TOKENS_FLAG
 from appliance.engine import EngineSpec, RestartReason
 from appliance.policy.degradation import Verdict as DegradationVerdict
 from appliance.supervisor.budget import RestartBook
@@ -22,7 +24,6 @@ from appliance.supervisor.commands import HeatRestart
 log = logging.getLogger("appliance.supervisor")
 
 HEAT_MIN_BATCHED_TOKENS = 16
-BATCHED_TOKENS_FLAG = "--max-num-batched-tokens"
 
 
 class PlannedRestart:
@@ -35,6 +36,7 @@ class PlannedRestart:
         self.requested: RestartReason | None = None
         self.wait_logged = False  # "restart waits" said for this request
         self.batched_tokens: int | None = None  # heat-reduced batch size, or None
+        self.no_flag_logged = False  # "no heat restart: no flag to halve" said
 
     def started(self) -> None:
         """A new spawn: whatever was asked for is being done."""
@@ -62,7 +64,20 @@ class PlannedRestart:
         full = self._config().engine_of(self._spec.model).max_num_batched_tokens
         if word.reduce and self.batched_tokens is None:
             if BATCHED_TOKENS_FLAG not in self._spec.argv:
-                return False  # a `command` override: nothing we can halve
+                # A `command` override: nothing to halve. Said once per engine (the
+                # start's config warning says it too; this covers a reload that turned
+                # heat restarts on), never once per heat tick.
+                if not self.no_flag_logged:
+                    self.no_flag_logged = True
+                    log.warning(
+                        "%s: GPU %d at the hard limit for %.0f s; no heat restart: its "
+                        "command has no %s to halve (thermal.heat_restart_after_s)",
+                        self._spec.name,
+                        word.gpu,
+                        word.held_s,
+                        BATCHED_TOKENS_FLAG,
+                    )
+                return False
             if not self._may_plan(RestartReason.HEAT):
                 return False
             self.batched_tokens = max(HEAT_MIN_BATCHED_TOKENS, full // 2)

@@ -101,3 +101,39 @@ def test_connection_limits_are_bounded(key: str, value: Any, message: str) -> No
     with pytest.raises(ConfigError) as info:
         parse_config({"gateway": {key: value}})
     assert info.value.problems == [message]
+
+
+# --- heat restarts with a command of one's own (issue 33, item 14) ---------------------------
+
+HEAT = {"heat_restart_after_s": 120}
+
+
+def test_heat_restarts_with_a_command_that_has_nothing_to_halve_warn() -> None:
+    config = parse_config({"engine": {"command": COMMAND}, "thermal": HEAT})
+    (warning,) = config_warnings(config)
+    assert warning.startswith(
+        "engine.command: has no --max-num-batched-tokens argument, so "
+        "thermal.heat_restart_after_s = 120 does nothing for its engines"
+    )
+    assert "or set thermal.heat_restart_after_s = 0" in warning
+
+
+def test_a_models_own_command_is_named_too() -> None:
+    table = {"name": "chat", "command": COMMAND}
+    config = parse_config({"engine": {"device": "cpu"}, "models": [table], "thermal": HEAT})
+    (warning,) = config_warnings(config)
+    assert warning.startswith('models[0] ("chat").command: has no --max-num-batched-tokens')
+
+
+@pytest.mark.parametrize(
+    ("command", "thermal"),
+    [
+        ([*COMMAND, "--max-num-batched-tokens", "2048"], HEAT),  # a heat restart halves it
+        (COMMAND, {"heat_restart_after_s": 0}),  # heat restarts off: nothing to say
+        ([], HEAT),  # the appliance's own command line has the flag
+    ],
+)
+def test_no_heat_warning_when_a_heat_restart_can_act_or_is_off(
+    command: list[str], thermal: dict[str, Any]
+) -> None:
+    assert config_warnings(parse_config({"engine": {"command": command}, "thermal": thermal})) == []
