@@ -17,22 +17,29 @@ Choices the chart forces, said once here:
   it is set, while our engines run with vLLM's default (on).
 - ``runner: "pooling"`` (the chart's own key, it becomes ``--runner pooling``) for an
   ``embed`` model; the model's name (``--served-model-name``: the chart would serve it
-  under its path), batch tokens and speculative decoding go in ``extraArgs`` as our
-  command line has them (:mod:`appliance.engine`), and so do the model's extra_args.
+  under its path), batch tokens, the tool-call and reasoning parsers and speculative
+  decoding go in ``extraArgs`` as our command line has them (:mod:`appliance.engine`),
+  and so do the model's extra_args; the Responses API's store and the CPU KV cache go in
+  ``env`` as our engines get them.
+- Every setting of a model is either carried, meaningless in a pod, or named in a note
+  when the config sets it (:data:`CARRIED`, :data:`NOT_APPLICABLE`,
+  :data:`NOT_CARRIED_KEYS`; a test holds every field of ServedModel and EngineConfig to
+  one of them).
 - ``repository``, ``tag``, ``requestCPU`` and ``requestMemory`` are required by the
   chart and unknown here: the upstream image and starting sizes, with a note.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from appliance import paths
-from appliance.config import Config, ServedModel
+from appliance.config import Config, EngineConfig, ServedModel
 
 CHART = "vllm-stack (github.com/vllm-project/production-stack, helm/)"
 IMAGE = ("vllm/vllm-openai", "latest")  # the vLLM project's own image
@@ -56,9 +63,69 @@ NOT_CARRIED: tuple[str, ...] = (
     "fallback between models and model aliases: the same gateway in front (LiteLLM's "
     "fallbacks and model_name aliases)",
     "the audit trail (who asked what, when): the gateway's request logs",
-    "the gateway's admission queue (max_inflight, max_queue, queue_timeout_s): vLLM "
-    "queues inside the engine; vllmConfig.maxNumSeqs caps a replica's batch",
+    "the gateway's admission queue (max_inflight, max_inflight_tokens, max_queue, "
+    "queue_timeout_s): vLLM queues inside the engine; vllmConfig.maxNumSeqs caps a "
+    "replica's batch",
+    "the appliance's [gateway], [thermal], [health], [degradation], [restart] and "
+    "[telemetry] sections: the chart has none of them (the notes above say what stands in)",
 )
+
+
+# Every setting of a served model, by its field in ServedModel and EngineConfig (the
+# model's [engine] keys): how it reaches the values (CARRIED), why it has no meaning in
+# a pod (NOT_APPLICABLE), or, when this config sets it, the note that says it does not
+# carry over and what to use instead (NOT_CARRIED_KEYS). A test checks that every field
+# is in exactly one of the three, so a new setting cannot be dropped without a word.
+CARRIED: Mapping[str, str] = {
+    "name": "name, and --served-model-name in extraArgs",
+    "model": "modelURL (a folder: on the model's volume)",
+    "task": 'vllmConfig.runner = "pooling" for embed',
+    "gpus": "replicaCount",
+    "tensor_parallel_size": "vllmConfig.tensorParallelSize, requestGPU",
+    "cpu_engines": "replicaCount (device = cpu)",
+    "speculative": "--speculative-config in extraArgs",
+    "engine": "its keys, each below",
+    "engine.model": "modelURL (through the model's model)",
+    "engine.served_model_name": "name (through the model's name)",
+    "engine.device": "requestGPU (0 on cpu)",
+    "engine.gpus": "replicaCount (through the model's gpus)",
+    "engine.cpu_engines": "replicaCount (through the model's cpu_engines)",
+    "engine.max_model_len": "vllmConfig.maxModelLen",
+    "engine.max_num_batched_tokens": "--max-num-batched-tokens in extraArgs",
+    "engine.gpu_memory_utilization": "vllmConfig.gpuMemoryUtilization",
+    "engine.extra_args": "vllmConfig.extraArgs (--dtype: vllmConfig.dtype)",
+    "engine.env": "env",
+    "engine.cpu_kvcache_space_gib": "env VLLM_CPU_KVCACHE_SPACE (device = cpu)",
+    "engine.tool_call_parser": "--enable-auto-tool-choice --tool-call-parser in extraArgs",
+    "engine.reasoning_parser": "--reasoning-parser in extraArgs",
+    "engine.responses_store": "env VLLM_ENABLE_RESPONSES_API_STORE",
+}
+NOT_APPLICABLE: Mapping[str, str] = {
+    "engine.listen": "how the gateway reaches an engine on this box; the chart's router "
+    "reaches its pods by their Service",
+    "engine.port_base": "as engine.listen",
+}
+NOT_CARRIED_KEYS: Mapping[str, str] = {
+    "aliases": "not carried (see fallback and aliases)",
+    "fallback": "not carried: the chart's router has no fallback between models (see "
+    "fallback and aliases)",
+    "load": "the chart runs every replica all the time; to free the GPU when idle, scale "
+    "replicaCount to 0 by hand or with an autoscaler (KEDA)",
+    "idle_unload_s": "not carried (no models on demand in the chart; see load)",
+    "swap": "not carried (no models on demand in the chart; see load)",
+    "load_timeout_s": "not carried (no models on demand in the chart; see load)",
+    "min_residency_s": "not carried (no models on demand in the chart; see load)",
+    "adapters": "not carried: give the chart's LoRA support (loraAdapters, with "
+    "--enable-lora in extraArgs) the same folders on the volume",
+    "engine.command": "replaces vLLM's command line here; the chart runs `vllm serve`",
+    "engine.python": "not carried: the pod runs the image's own vLLM",
+    "engine.max_inflight": "not carried (the gateway's admission, see below); "
+    "vllmConfig.maxNumSeqs caps a replica's batch",
+    "engine.max_inflight_tokens": "not carried (the gateway's admission, see below)",
+    "engine.startup_timeout_s": "not carried: give the pod a startupProbe (or the "
+    "readinessProbe's initialDelaySeconds) as long",
+    "engine.stop_timeout_s": "not carried: set terminationGracePeriodSeconds as long",
+}
 
 
 @dataclass(frozen=True)
@@ -110,9 +177,11 @@ def model_spec(m: ServedModel, device: str) -> tuple[dict[str, Any], list[str]]:
     if volume_note:
         notes.append(volume_note)
     spec["vllmConfig"] = vllm_config(m, on_cpu)
-    if m.engine.env:
-        spec["env"] = [{"name": k, "value": v} for k, v in sorted(m.engine.env.items())]
+    env = container_env(m, on_cpu)
+    if env:
+        spec["env"] = [{"name": k, "value": v} for k, v in sorted(env.items())]
     notes += _model_notes(m, on_cpu)
+    notes += unset_notes(m)
     return spec, notes
 
 
@@ -157,10 +226,61 @@ def vllm_config(m: ServedModel, on_cpu: bool) -> dict[str, Any]:
         "--max-num-batched-tokens",
         str(e.max_num_batched_tokens),
     ]
+    if m.task != "embed":  # as our command line has them (appliance/engine.py)
+        if e.tool_call_parser:
+            args += ["--enable-auto-tool-choice", "--tool-call-parser", e.tool_call_parser]
+        if e.reasoning_parser:
+            args += ["--reasoning-parser", e.reasoning_parser]
     if m.speculative:
         args += ["--speculative-config", speculative(m)]
     out["extraArgs"] = [*args, *extra]
     return out
+
+
+def container_env(m: ServedModel, on_cpu: bool) -> dict[str, str]:
+    """The container's environment: what our engines get from the model's keys (the
+    Responses API's store, the CPU KV cache), then engine.env's, which wins as it does
+    on the box (appliance/engine.py build_env)."""
+    env: dict[str, str] = {}
+    if m.task != "embed" and m.engine.responses_store:
+        env["VLLM_ENABLE_RESPONSES_API_STORE"] = "1"  # vLLM's default is off
+    if on_cpu:
+        env["VLLM_CPU_KVCACHE_SPACE"] = f"{m.engine.cpu_kvcache_space_gib:g}"
+    return env | dict(m.engine.env)
+
+
+def unset_notes(m: ServedModel) -> list[str]:
+    """A note for each setting of NOT_CARRIED_KEYS this model sets (not its default)."""
+    engine_defaults = EngineConfig()
+    notes = []
+    for key, why in NOT_CARRIED_KEYS.items():
+        section, _, name = key.rpartition(".")
+        if section:
+            value, default = getattr(m.engine, name), getattr(engine_defaults, name)
+        else:
+            value, default = getattr(m, name), _SERVED_DEFAULTS.get(name)
+        if value != default and (value or default):
+            notes.append(f"{key} = {_shown(value)}: {why}")
+    return notes
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, tuple | list):
+        return "[" + ", ".join(_shown(v) for v in value) + "]"
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, float):
+        return f"{value:g}"
+    name = getattr(value, "name", None)  # a LoRA adapter
+    return str(name) if isinstance(name, str) else str(value)
+
+
+# ServedModel's defaults (fields with none: a model that does not set them has them empty).
+_SERVED_DEFAULTS: Mapping[str, Any] = {
+    f.name: f.default
+    for f in dataclasses.fields(ServedModel)
+    if f.default is not dataclasses.MISSING
+} | {"aliases": (), "fallback": ""}
 
 
 def speculative(m: ServedModel) -> str:
@@ -210,13 +330,9 @@ def _model_notes(m: ServedModel, on_cpu: bool) -> list[str]:
             f"the chart names Kubernetes objects after the model, which refuse '.' and '_' "
             f"in {m.name!r}: rename the model (clients send that name)"
         )
-    if m.engine.command:
-        notes.append("its `command` replaces vLLM's command line here; the chart runs `vllm serve`")
     if on_cpu:
         notes.append(
             "device = cpu: requestGPU 0; use a vLLM CPU image (the vllm/vllm-openai image "
-            "needs a GPU), and set VLLM_CPU_KVCACHE_SPACE in env for the KV cache"
+            "needs a GPU); the KV cache's size is in env (VLLM_CPU_KVCACHE_SPACE)"
         )
-    if m.aliases:
-        notes.append(f"aliases {', '.join(m.aliases)}: not carried (see fallback and aliases)")
     return notes

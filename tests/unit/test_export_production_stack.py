@@ -5,6 +5,7 @@ chart's own values.yaml), for every TOML example in docs/ and the configs below.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import tomllib
@@ -15,8 +16,14 @@ import pytest
 import yaml
 
 from appliance.cli import main
-from appliance.config import SECTIONS, Config, parse_config
-from appliance.export.production_stack import NOT_CARRIED, export
+from appliance.config import SECTIONS, Config, EngineConfig, ServedModel, parse_config
+from appliance.export.production_stack import (
+    CARRIED,
+    NOT_APPLICABLE,
+    NOT_CARRIED,
+    NOT_CARRIED_KEYS,
+    export,
+)
 from appliance.export.yaml_out import dump
 
 REPO = Path(__file__).resolve().parents[2]
@@ -152,10 +159,39 @@ CASES: list[tuple[str, dict[str, Any], str | None, dict[str, Any]]] = [
         {"requestGPU": 0, "replicaCount": 2, "vllmConfig.gpuMemoryUtilization": None},
     ),
     (
-        "engine.env becomes the container's env",
+        "engine.env becomes the container's env, beside the Responses API's store",
         {"engine": {"env": {"HF_HUB_OFFLINE": "1"}}},
         None,
-        {"env": [{"name": "HF_HUB_OFFLINE", "value": "1"}]},
+        {
+            "env": [
+                {"name": "HF_HUB_OFFLINE", "value": "1"},
+                {"name": "VLLM_ENABLE_RESPONSES_API_STORE", "value": "1"},
+            ]
+        },
+    ),
+    (
+        "the tool-call and reasoning parsers go in extraArgs as our command line has them",
+        {"engine": {"tool_call_parser": "hermes", "reasoning_parser": "qwen3"}},
+        None,
+        {
+            "vllmConfig.extraArgs": [
+                "--served-model-name",
+                "smollm2-135m-instruct",
+                "--max-num-batched-tokens",
+                "8192",
+                "--enable-auto-tool-choice",
+                "--tool-call-parser",
+                "hermes",
+                "--reasoning-parser",
+                "qwen3",
+            ],
+        },
+    ),
+    (
+        "responses_store = false: no store in the pod either; CPU: the KV cache's size",
+        {"engine": {"device": "cpu", "responses_store": False, "cpu_kvcache_space_gib": 4}},
+        None,
+        {"env": [{"name": "VLLM_CPU_KVCACHE_SPACE", "value": "4"}]},
     ),
 ]
 
@@ -214,7 +250,7 @@ def test_router_routes_by_prefix() -> None:
         ({}, "gpus = auto: one replica written"),
         ({"models": [{"name": "q", "model": "Qwen/Q"}]}, "the pod downloads it at start"),
         ({"models": [{"name": "my_chat", "model": CHAT}]}, "rename the model"),
-        ({"models": [{"name": "c", "model": CHAT, "aliases": ["gpt-4o"]}]}, "aliases gpt-4o"),
+        ({"models": [{"name": "c", "model": CHAT, "aliases": ["gpt-4o"]}]}, 'aliases = ["gpt-4o"]'),
         ({"engine": {"device": "cpu"}}, "use a vLLM CPU image"),
         (
             {"engine": {"command": ["{python}", "-m", "x", "{model}", "--uds", "{uds}"]}},
@@ -224,6 +260,51 @@ def test_router_routes_by_prefix() -> None:
 )
 def test_notes_name_what_this_config_loses(raw: dict[str, Any], said: str) -> None:
     assert said in notes_of(raw)
+
+
+# ---- every setting is carried, meaningless in a pod, or said (issue 33, item 15) -----------
+
+EVERY_SETTING = [f.name for f in dataclasses.fields(ServedModel)] + [
+    f"engine.{f.name}" for f in dataclasses.fields(EngineConfig)
+]
+
+
+@pytest.mark.parametrize("key", EVERY_SETTING)
+def test_every_model_setting_is_carried_or_said_not_to_be(key: str) -> None:
+    """A new field of ServedModel or EngineConfig fails here until the export says what
+    becomes of it."""
+    homes = [key in CARRIED, key in NOT_APPLICABLE, key in NOT_CARRIED_KEYS]
+    assert homes.count(True) == 1, f"{key}: add it to CARRIED, NOT_APPLICABLE or NOT_CARRIED_KEYS"
+
+
+def test_the_tables_name_no_setting_that_does_not_exist() -> None:
+    assert set(CARRIED) | set(NOT_APPLICABLE) | set(NOT_CARRIED_KEYS) == set(EVERY_SETTING)
+
+
+@pytest.mark.parametrize(
+    ("table", "said"),
+    [
+        ({"load": "on_demand"}, 'load = "on_demand": the chart runs every replica all the time'),
+        ({"load": "on_demand", "idle_unload_s": 60}, "idle_unload_s = 60: not carried"),
+        ({"fallback": "other"}, 'fallback = "other": not carried'),
+        ({"max_inflight": 8}, "engine.max_inflight = 8: not carried"),
+        ({"max_inflight_tokens": 9000}, "engine.max_inflight_tokens = 9000: not carried"),
+        ({"startup_timeout_s": 1800}, "engine.startup_timeout_s = 1800: not carried"),
+        ({"stop_timeout_s": 60}, "engine.stop_timeout_s = 60: not carried"),
+    ],
+)
+def test_a_setting_that_cannot_carry_over_is_named_for_its_model(
+    table: dict[str, Any], said: str
+) -> None:
+    other = {"name": "other", "model": CHAT, "gpus": [1]}
+    raw = {"models": [{"name": "chat", "model": CHAT, "gpus": [0], **table}, other]}
+    assert f"model chat: {said}" in notes_of(raw)
+
+
+def test_defaults_say_nothing_about_settings_they_do_not_set() -> None:
+    notes = notes_of({"models": [{"name": "chat", "model": CHAT, "gpus": [0]}]})
+    assert not any(key in notes for key in NOT_CARRIED_KEYS if "." in key)
+    assert "load =" not in notes and "fallback =" not in notes
 
 
 # ---- the command ----------------------------------------------------------------------
