@@ -17,6 +17,8 @@ import typing
 from collections.abc import Mapping
 from typing import Any, Literal, get_args, get_origin
 
+from appliance.config.sections import SECTIONS
+
 
 def _show(value: Any) -> str:
     if isinstance(value, str):
@@ -89,10 +91,23 @@ def _coerce(value: Any, tp: Any) -> tuple[bool, Any]:
     raise TypeError(f"unsupported config type {tp!r}")  # a bug in this module, not in input
 
 
-def _unknown(path: str, key: str, allowed: list[str]) -> str:
+def _unknown(path: str, key: str, allowed: list[str], here: str = "") -> str:
+    """An unknown key's message: the section it belongs in when it is another
+    section's key (``max_tokens_cap`` under [engine] is a [gateway] key, not a misspelt
+    ``max_inflight_tokens``), else the nearest allowed key, and every allowed key.
+    ``here``: the section it was found in (not named as its home)."""
+    homes = [name for name, cls in SECTIONS.items() if name != here and _has(cls, key)]
+    if homes:
+        where = " or ".join(f"[{h}]" for h in homes)
+        hint = f" here; it belongs in {where} ({' or '.join(f'{h}.{key}' for h in homes)})"
+        return f"{path}{key}: unknown key{hint}; allowed keys here: {', '.join(allowed)}"
     near = difflib.get_close_matches(key, allowed, n=1)
     hint = f" (did you mean {near[0]!r}?)" if near else ""
     return f"{path}{key}: unknown key{hint}; allowed keys: {', '.join(allowed)}"
+
+
+def _has(cls: type[Any], key: str) -> bool:
+    return any(f.name == key for f in dataclasses.fields(cls))
 
 
 def check_bounds(value: Any, meta: Mapping[str, Any]) -> str | None:
@@ -117,7 +132,7 @@ def _build_section(name: str, cls: type[Any], raw: Any, problems: list[str]) -> 
     values: dict[str, Any] = {}
     for key, value in raw.items():
         if key not in fields:
-            problems.append(_unknown(f"{name}.", key, list(fields)))
+            problems.append(_unknown(f"{name}.", key, list(fields), here=name))
             continue
         tp, meta = hints[key], fields[key].metadata
         ok, converted = _coerce(value, tp)

@@ -83,7 +83,11 @@ def _owner_mode(
 
 
 def check_state_dir(path: Path, account: Account) -> Result:
-    """The state directory (engine venv, model, keys, admin.key): the account's, 0700."""
+    """The state directory (engine venv, model; keys and admin.key under systemd): the
+    account's, and writable by it alone. Others may read it: set-up makes it with the
+    usual 0755 (in a checkout, ``~/.local/share/llm-appliance`` holds only the venv and
+    the models), the unit's StateDirectoryMode makes it 0700, and where the keys file
+    lives in it, the keys file's check holds its directory to 0700."""
     name = "state dir"
     try:
         st = os.lstat(path)
@@ -101,7 +105,12 @@ def check_state_dir(path: Path, account: Account) -> Result:
             f"fix {path}",
             path=str(path),
         )
-    problems, commands = _owner_mode(path, st, account, 0o700)
+    problems, commands = _owner_mode(path, st, account, 0o7777)
+    if st.st_mode & 0o022:
+        problems.append(
+            f"{path} has mode {octal_mode(st.st_mode)}: writable by others than {account.name}"
+        )
+        commands.append(f"chmod go-w {path}")
     if problems:
         return fail(name, "; ".join(problems), " && ".join(commands), path=str(path))
     return ok(name, f"{path}: {account.name}, {octal_mode(st.st_mode)}", path=str(path))

@@ -358,6 +358,33 @@ def test_unknown_key_lists_the_allowed_keys() -> None:
     )
 
 
+@pytest.mark.parametrize(
+    ("raw", "said"),
+    [
+        (
+            {"engine": {"max_tokens_cap": 2048}},
+            "engine.max_tokens_cap: unknown key here; it belongs in [gateway] "
+            "(gateway.max_tokens_cap)",
+        ),
+        (
+            {"gateway": {"hard_limit_c": 90}},
+            "gateway.hard_limit_c: unknown key here; it belongs in [thermal] "
+            "(thermal.hard_limit_c)",
+        ),
+        (
+            {"models": [{"name": "chat", "max_tokens_cap": 2048}]},
+            'models[0] ("chat").max_tokens_cap: unknown key here; it belongs in [gateway]',
+        ),
+    ],
+)
+def test_a_key_of_another_section_says_where_it_belongs(raw: dict[str, Any], said: str) -> None:
+    """Not a near-miss of this section's keys (max_tokens_cap is no misspelt
+    max_inflight_tokens): the section that has it (issue 33, item 16)."""
+    (msg,) = problems_of(raw)
+    assert msg.startswith(said), msg
+    assert "did you mean" not in msg
+
+
 def test_section_that_is_not_a_table() -> None:
     assert problems_of({"gateway": 5}) == ["[gateway]: must be a table, got 5"]
 

@@ -53,16 +53,29 @@ def _dir(path: Path, mode: int = 0o700) -> Path:
     return path
 
 
-def test_state_dir_missing_open_or_foreign_fails_with_the_command(tmp_path: Path) -> None:
+def test_state_dir_missing_writable_by_others_or_foreign_fails_with_the_command(
+    tmp_path: Path,
+) -> None:
     assert check_state_dir(tmp_path / "nope", ME).status == "fail"
-    state = _dir(tmp_path / "state", 0o755)
+    state = _dir(tmp_path / "state", 0o775)
     line = check_state_dir(state, ME)
-    assert line.status == "fail" and "mode 0755, not 0700" in line.detail
-    assert line.fix == f"chmod 700 {state}"
+    assert line.status == "fail" and "mode 0775: writable by others" in line.detail
+    assert line.fix == f"chmod go-w {state}"
     state.chmod(0o700)
     assert check_state_dir(state, ME).status == "ok"
     foreign = check_state_dir(state, STRANGER)
     assert foreign.status == "fail" and foreign.fix == f"chown {STRANGER.chown_spec} {state}"
+
+
+def test_the_home_set_up_makes_passes(tmp_path: Path) -> None:
+    """Set-up makes the home with mkdir's usual 0755 (a checkout's
+    ~/.local/share/llm-appliance): readable by others, writable by its owner alone, and
+    the keys are not in it; doctor must not fail the box on it (issue 33, item 16)."""
+    home = tmp_path / "share" / "llm-appliance"
+    home.mkdir(parents=True, mode=0o755)
+    home.chmod(0o755)
+    line = check_state_dir(home, ME)
+    assert line.status == "ok", line
 
 
 def _keys(tmp: Path) -> Path:

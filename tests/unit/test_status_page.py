@@ -184,6 +184,21 @@ async def test_the_page_is_served_without_a_key_with_its_headers(box: Box) -> No
         assert (await resp.json())["error"]["code"] == "unknown_route"
     async with box.client.get("/", allow_redirects=False) as resp:
         assert (resp.status, resp.headers["Location"]) == (302, "ui")
+    # /ui/ as typed or bookmarked with the slash: to the page (issue 33, item 16).
+    async with box.client.get("/ui/", allow_redirects=False) as resp:
+        assert (resp.status, resp.headers["Location"]) == (302, "../ui")
+    async with box.client.get("/ui/") as resp:
+        assert resp.status == 200 and str(resp.url).endswith("/ui")
+        assert '<input id="key" name="key"' in await resp.text()
+
+
+async def test_the_sign_in_text_says_what_each_scope_sees(box: Box) -> None:  # noqa: F811
+    """A metrics key does not see the usage per key (admin only, /admin/history's
+    ``usage``): the sign-in page must not promise it "everything"."""
+    async with box.client.get("/ui") as resp:
+        text = " ".join((await resp.text()).split())
+    assert "sees everything" not in text
+    assert "an <b>admin</b> key also sees the usage per key" in text
 
 
 async def test_history_by_scope(box: Box) -> None:  # noqa: F811

@@ -89,6 +89,7 @@ class StatusPage:
         r = app.router
         r.add_get("/", self.root)
         r.add_get("/ui", self.page)
+        r.add_get("/ui/", self.to_page)  # typed or bookmarked with the slash
         r.add_get("/ui/{name}", self.page)
         r.add_get("/admin/history", self.history_json)
         app.on_startup.append(self._start)
@@ -104,6 +105,11 @@ class StatusPage:
         # Relative: right behind TLS or a proxy alike. Returned, not raised: the middleware
         # turns raised HTTP exceptions into OpenAI-shaped errors.
         return web.Response(status=302, headers={**PAGE_HEADERS, "Location": "ui"})
+
+    async def to_page(self, request: web.Request) -> web.Response:
+        # The page's files are relative to /ui ("ui/app.js"): served at /ui/ they would
+        # resolve under /ui/ui/. "../ui" from /ui/ is /ui, behind a path prefix too.
+        return web.Response(status=302, headers={**PAGE_HEADERS, "Location": "../ui"})
 
     async def page(self, request: web.Request) -> web.Response:
         found = self.files.get(request.match_info.get("name", ""))
