@@ -107,6 +107,8 @@ def test_check_config_names_sleeping_weights_larger_than_this_hosts_ram(
     big, small = tmp_path / "big", tmp_path / "small"
     sparse(big / "model.safetensors", host)  # alone it fits (just); with small it does not
     sparse(small / "model.safetensors", GIB)
+    for folder in (big, small):  # model folders, as check-config wants them (item 13)
+        (folder / "config.json").write_text("{}")
     config = tmp_path / "config.toml"
     common = 'load = "on_demand"\nswap = "sleep"\ngpus = [0]\n'
     config.write_text(
