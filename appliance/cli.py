@@ -45,10 +45,11 @@ def event_loop_factory(
 ) -> tuple[str, Callable[[], asyncio.AbstractEventLoop] | None]:
     """The event loop ``serve`` runs on: uvloop when it is installed, else asyncio's.
 
-    uvloop relays the same streams with 13-25 % less CPU per chunk (docs/benchmarks.md,
-    gateway overhead); everything the supervisor uses (subprocesses, pipes, signal
-    handlers, threads) behaves the same on both. ``LLM_APPLIANCE_EVENT_LOOP=asyncio``
-    picks asyncio's own loop, to rule the loop out when chasing a problem.
+    uvloop relays the same streams with 13-25 % less CPU per chunk
+    (docs/decisions/0002-uvloop-by-default.md); everything the supervisor uses
+    (subprocesses, pipes, signal handlers, threads) behaves the same on both.
+    ``LLM_APPLIANCE_EVENT_LOOP=asyncio`` picks asyncio's own loop, to rule the loop out
+    when chasing a problem.
     """
     wanted = env.get(EVENT_LOOP_ENV, "auto").strip().lower() or "auto"
     if wanted not in ("auto", "uvloop", "asyncio"):

@@ -52,7 +52,7 @@ def _ranges(cores: Sequence[int]) -> str:
 # x86 CPU flags (as /proc/cpuinfo spells them) that run bfloat16 matmuls in hardware.
 # Without one, vLLM's CPU kernels emulate bf16: on a 2-core AVX2 box prefill was 5-9x
 # slower than float32 (TTFT p50 3.3 s vs 0.58 s at one stream) and eight streams got a
-# quarter of float32's tokens/s (docs/benchmarks.md, "CPU engine: dtype and LD_PRELOAD").
+# quarter of float32's tokens/s (docs/decisions/0009-cpu-engines-float32-without-native-bf16.md).
 BF16_CPU_FLAGS: tuple[str, ...] = ("avx512_bf16", "amx_bf16")
 
 

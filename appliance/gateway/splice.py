@@ -2,7 +2,8 @@
 
 Why this exists: through aiohttp's client, each token chunk of a stream costs a parse
 into a ``StreamReader``, a future, a task step, then a re-encode on the way out; on a
-2-core box that was most of the gateway's CPU per relayed chunk (docs/benchmarks.md).
+2-core box that was most of the gateway's CPU per relayed chunk
+(docs/decisions/0001-splice-streams-below-aiohttp.md).
 Here the engine's response is read by a small protocol of our own and, once the stream
 is under way, the engine's chunks are written to the client's transport from
 ``data_received`` as they came: no task wakes up per chunk, nothing is re-encoded. The

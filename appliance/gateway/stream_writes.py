@@ -6,7 +6,7 @@ per chunk. The splice (splice.py) writes to the client's transport itself, so it
 carry both: the head goes out with the first chunk (one segment, as nginx sends it),
 the end with the last. strace: 9.1 writes per request instead of 11.0 for 8-token
 streams; in CPU a few µs per request, below what the 2-core box resolves
-(docs/benchmarks.md).
+(docs/decisions/0012-stream-head-and-end-in-the-chunks-writes.md).
 
 aiohttp's private names are used here, in this module only: ``StreamResponse``'s class
 attribute ``_send_headers_immediately`` (False: ``prepare()`` keeps the head, as its
