@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import json
 import os
 import secrets
 from collections.abc import Collection, Mapping, Sequence
@@ -251,11 +252,48 @@ def _model_args(served: ServedModel, speculative_json: str) -> list[str]:
             args += ["--enable-auto-tool-choice", "--tool-call-parser", e.tool_call_parser]
         if e.reasoning_parser:
             args += ["--reasoning-parser", e.reasoning_parser]
+        args += _request_guard_args(e)
     if served.tensor_parallel_size > 1:
         args += ["--tensor-parallel-size", str(served.tensor_parallel_size)]
     if speculative_json:
         args += ["--speculative-config", speculative_json]
     return args
+
+
+# A host under the reserved .invalid domain (RFC 6761): it never resolves, so naming it
+# alone in --allowed-media-domains makes the engine fetch no http(s) media at all.
+NO_MEDIA_HOST = "media.invalid"
+
+
+def _request_guard_args(e: EngineConfig) -> list[str]:
+    """What bounds the work one request can make a generate engine do (docs/security.md),
+    each left to the admin's own flag in extra_args when there is one:
+
+    - the structured-output backend (``structured_outputs_backend``): vLLM's default picks
+      xgrammar, whose schema compile has no time limit, so one small schema could keep
+      every structured request waiting until a restart;
+    - the hosts it may fetch media from (``allowed_media_domains``): vLLM fetches any
+      http(s) URL when the flag is absent (an empty list means "all" there), so with
+      none allowed it gets the one host that never resolves. The gateway refuses such
+      URLs first (protocols/media.py); this is the engine's own line behind it.
+    """
+    args = []
+    if _our_backend(e):
+        backend = json.dumps({"backend": e.structured_outputs_backend}, separators=(",", ":"))
+        args += ["--structured-outputs-config", backend]
+    if not _sets(e.extra_args, "--allowed-media-domains"):
+        args += ["--allowed-media-domains", *(e.allowed_media_domains or [NO_MEDIA_HOST])]
+    return args
+
+
+def _our_backend(e: EngineConfig) -> bool:
+    """Whether the engine runs with our --structured-outputs-config (not the admin's)."""
+    return not e.command and not _sets(e.extra_args, "--structured-outputs-config")
+
+
+def _sets(extra_args: Sequence[str], flag: str) -> bool:
+    """Whether ``extra_args`` sets ``flag`` (``--flag v``, ``--flag=v``, ``--flag.key v``)."""
+    return any(a == flag or a.startswith((flag + "=", flag + ".")) for a in extra_args)
 
 
 def _device_args(e: EngineConfig, on_gpu: bool, cpu_flags: Collection[str]) -> list[str]:
@@ -302,8 +340,17 @@ def build_env(
             # Its store is in the engine's memory, unbounded (docs/api.md): the model's
             # responses_store turns it off (the gateway reads the same key).
             "VLLM_ENABLE_RESPONSES_API_STORE": "1" if engine.responses_store else "0",
+            # A media URL on an allowed host must not redirect the engine's fetch to
+            # one that is not (vLLM 0.32 follows redirects unless told not to).
+            "VLLM_MEDIA_URL_ALLOW_REDIRECTS": "0",
         }
     )
+    if _our_backend(engine) and engine.structured_outputs_backend == "guidance":
+        # vLLM 0.32 constrains tool calls (tool_choice "required", a named tool, strict
+        # tools) with xgrammar's structural tags, which its guidance backend cannot read
+        # (a 400 "Invalid grammar specification: 'triggers'"). Off, they are constrained
+        # by a JSON schema of the tools instead, which guidance compiles.
+        env["VLLM_ENFORCE_STRICT_TOOL_CALLING"] = "0"
     if gpus:
         # NVML numbers GPUs by PCI bus; CUDA by default fastest-first. Pin CUDA to the
         # same order so an engine's GPUs pair with those GPUs' temperatures.

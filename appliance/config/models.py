@@ -43,6 +43,9 @@ MODEL_ENGINE_KEYS: tuple[str, ...] = (
     "tool_call_parser",
     "reasoning_parser",
     "responses_store",
+    "structured_outputs_backend",
+    "allow_prompt_logprobs",
+    "allowed_media_domains",
 )
 MODEL_KEYS: tuple[str, ...] = (
     "name",

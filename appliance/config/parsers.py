@@ -13,6 +13,7 @@ says so before, with the nearest name.
 from __future__ import annotations
 
 import difflib
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -59,6 +60,10 @@ def parser_problem(path: str, key: str, value: str) -> str | None:
 
 
 STORE_ENV = "VLLM_ENABLE_RESPONSES_API_STORE"
+# A host name as urllib3 reports a URL's host (lower case), which is what vLLM compares
+# --allowed-media-domains with: labels of letters, digits and hyphens, or an IPv4 address.
+_LABEL = r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?"
+HOST_RE = re.compile(rf"(?=.{{1,253}}$){_LABEL}(\.{_LABEL})*")
 
 
 def check_parsers(
@@ -66,8 +71,9 @@ def check_parsers(
 ) -> None:
     """The parser names and engine variables among ``keys`` ([engine]'s fields, or what a
     model's table sets, under ``path``): names vLLM offers, never on an embedding model
-    (whose engine gets no parser flags), and the response store set by its key alone (the
-    gateway reads the key to know whether a stored response can exist)."""
+    (whose engine gets no parser flags), media hosts that are host names, and the
+    response store set by its key alone (the gateway reads the key to know whether a
+    stored response can exist)."""
     for key in ALLOWED:
         value = keys.get(key) or ""
         problem = parser_problem(path, key, value)
@@ -77,6 +83,13 @@ def check_parsers(
             problems.append(
                 f"{path}.{key} = {_show(value)}: parsers are for generate models, not "
                 "embeddings; remove it"
+            )
+    for host in keys.get("allowed_media_domains") or ():
+        if not HOST_RE.fullmatch(host):
+            problems.append(
+                f"{path}.allowed_media_domains: {_show(host)} is not a host name; give "
+                "host names only, as vLLM compares them with a URL's host (e.g. "
+                '"images.example.com", no scheme, port or path)'
             )
     if STORE_ENV in (keys.get("env") or {}):
         problems.append(

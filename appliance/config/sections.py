@@ -32,6 +32,8 @@ RESERVED_ENGINE_ENV = frozenset(
 
 Device = Literal["auto", "cuda", "cpu"]
 Listen = Literal["unix", "tcp"]
+# vLLM 0.32's structured-output backends (vllm/config/structured_outputs.py).
+StructuredBackend = Literal["guidance", "xgrammar", "auto", "outlines", "lm-format-enforcer"]
 
 
 @dataclass(frozen=True)
@@ -140,6 +142,33 @@ class EngineConfig:
         "`VLLM_ENABLE_RESPONSES_API_STORE`). vLLM never evicts them: each stored answer "
         "stays in the engine's RAM until it restarts. false: nothing is kept, and a "
         "request that reads a stored response is a 400.",
+    )
+    structured_outputs_backend: StructuredBackend = _f(
+        "guidance",
+        "What compiles `response_format`, `structured_outputs` and the schemas of "
+        '`tool_choice` "required" or a named tool (vLLM `--structured-outputs-config`). '
+        "`guidance` (llguidance) compiles as it generates, in milliseconds for the "
+        "schemas that stall xgrammar (the engine then also gets "
+        "VLLM_ENFORCE_STRICT_TOOL_CALLING=0: vLLM 0.32's tool-call constraints are "
+        "xgrammar's own). vLLM's default, `auto`, picks xgrammar, whose compile has no "
+        "time limit: one small schema can keep structured output waiting for everyone "
+        "until the engine restarts (docs/security.md). An extra_args entry that sets "
+        "--structured-outputs-config wins.",
+    )
+    allow_prompt_logprobs: bool = _f(
+        False,
+        "Let clients ask for `prompt_logprobs` (and `echo` with `logprobs` on "
+        "/v1/completions): a log-probability for every prompt token, which costs the "
+        "engine memory and time far beyond what the request is charged (a 3k-token "
+        "prompt with 20 logprobs: 1.9 GB and a minute on CPU). false: such a request is "
+        "a 400 naming the field.",
+    )
+    allowed_media_domains: list[str] = _f(
+        [],
+        "Hosts whose http(s) media URLs (images, audio, video, files) the engine may "
+        "fetch for a multimodal model (vLLM `--allowed-media-domains`, exact host "
+        "names; redirects are not followed). [] = only inline `data:` URLs: any other "
+        "media URL is a 400, and the engine fetches nothing.",
     )
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from appliance.endpoint import EngineAddress
-from appliance.gateway.errors import GatewayError
+from appliance.gateway.errors import GatewayError, engine_refusal
 from appliance.gateway.failures import Attempt
 from appliance.gateway.http1 import AnswerTooLarge
 from appliance.gateway.protocols import ROUTES
@@ -71,6 +71,14 @@ async def read_whole(limit: int, read: Callable[[int], Awaitable[bytes]]) -> byt
             code="answer_too_large",
             reason="answer_too_large",
         ) from None
+
+
+def whole_answer(call: EngineCall, status: int, body: bytes, content_type: str) -> web.Response:
+    """A whole answer from the engine as the client gets it: untouched, unless it is the
+    engine's refusal (4xx), which is put in the gateway's error shape (errors.py)."""
+    if 400 <= status < 500:
+        return engine_refusal(status, body, ROUTES[call.parsed.route].shape)
+    return web.Response(status=status, body=body, content_type=content_type)
 
 
 def answer_usage(call: EngineCall, body: bytes) -> Usage | None:

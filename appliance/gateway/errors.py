@@ -25,6 +25,7 @@ ERROR_TYPES: Mapping[int, str] = {
     405: "invalid_request_error",
     413: "invalid_request_error",
     415: "invalid_request_error",
+    422: "invalid_request_error",  # an engine's (FastAPI's) refusal of a field
     429: "rate_limit_error",
     502: "api_error",
     503: "service_unavailable",
@@ -42,6 +43,7 @@ ANTHROPIC_TYPES: Mapping[int, str] = {
     408: "timeout_error",
     413: "request_too_large",
     415: "invalid_request_error",
+    422: "invalid_request_error",
     429: "rate_limit_error",
     500: "api_error",
     502: "api_error",
@@ -104,6 +106,71 @@ def error_response(
 def sse_error_event(status: int, message: str, code: str) -> bytes:
     """The event that ends a stream cleanly when the engine fails after the first byte."""
     return b"data: " + json.dumps(error_body(status, message, code=code)).encode() + b"\n\n"
+
+
+# What an engine's own 4xx is called in the gateway's shape (a string code, never vLLM's
+# integer), by status; a prompt that does not fit the context has OpenAI's code of its own
+# (context_length_exceeded).
+ENGINE_CODES: Mapping[int, str] = {
+    404: "not_found",
+    413: "request_too_large",
+    422: "invalid_request",
+}
+CONTEXT_WORDS = "maximum context length"  # in each of vLLM 0.32's messages for it
+MAX_ENGINE_MESSAGE = 4096  # characters of the engine's words passed on
+
+
+def engine_refusal(status: int, body: bytes, shape: Shape = "openai") -> web.Response:
+    """An engine's 4xx answer in the gateway's shape, its words kept.
+
+    vLLM 0.32 writes ``{"error": {"message", "type": "BadRequestError", "param", "code":
+    400}}`` (an integer code, its exception's name as the type), Anthropic's envelope
+    with those same types on /v1/messages, ``{"detail": ...}`` from FastAPI, and older
+    servers ``{"object": "error", "message", ...}``. The client gets the gateway's
+    ``{"error": {"message", "type", "param", "code"}}`` with a string code (Anthropic's
+    shape and type names on its routes), as for every other refusal. Only the error
+    path calls this: a successful answer passes untouched.
+    """
+    message, param = _engine_words(body)
+    if not message:
+        message = f"the engine refused the request (HTTP {status})"
+    return error_response(
+        status,
+        message[:MAX_ENGINE_MESSAGE],
+        param=param,
+        code=(
+            "context_length_exceeded"
+            if CONTEXT_WORDS in message
+            else ENGINE_CODES.get(status, "invalid_request")
+        ),
+        shape=shape,
+    )
+
+
+def _engine_words(body: bytes) -> tuple[str, str | None]:
+    """(message, param) of an engine's error body, whatever its shape; ("", None) when
+    it has none."""
+    try:
+        doc = json.loads(body)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return body.decode("utf-8", "replace").strip(), None
+    if not isinstance(doc, dict):
+        return "", None
+    inner = doc.get("error")
+    where = inner if isinstance(inner, dict) else doc
+    message = where.get("message")
+    if not isinstance(message, str):
+        detail = doc.get("detail")  # FastAPI: a text, or a list of {"loc", "msg", ...}
+        if isinstance(detail, str):
+            message = detail
+        elif isinstance(detail, list):
+            message = "; ".join(
+                str(d.get("msg", d)) if isinstance(d, dict) else str(d) for d in detail
+            )
+        else:
+            message = ""
+    param = where.get("param")
+    return message, param if isinstance(param, str) and param else None
 
 
 class GatewayError(Exception):

@@ -54,7 +54,7 @@ from appliance.gateway.fallback import REFUSE_HEADER, SERVED_BY, fallback_allowe
 from appliance.gateway.models import model_cards, resolve_named
 from appliance.gateway.pinned_relay import PinnedRelay
 from appliance.gateway.protocols import ROUTES, Route
-from appliance.gateway.protocols.tools import tools_refusal
+from appliance.gateway.protocols.refusals import model_refusal
 from appliance.gateway.request_body import LOWERED, ParsedRequest, finish_body, open_body, read_body
 from appliance.gateway.usage_plan import stepping_of
 from appliance.gateway.via_client import relay_via_client
@@ -156,9 +156,7 @@ class Relay:
         if sent != name:  # an adapter: its removal waits for this request (adapter_work)
             self.gw.adapter_work.begin(request, sent)
         request["model"] = sent  # the metrics' label: a configured name, never the client's
-        refused = tools_refusal(
-            ROUTES[route].calls_tools, opened.fields, served, bool(config.models)
-        )
+        refused = model_refusal(ROUTES[route], opened.fields, served, bool(config.models))
         if refused is not None:
             raise refused
         max_model_len = served.engine.max_model_len
@@ -179,10 +177,10 @@ class Relay:
         config = self.gw.appliance.config
         opened = open_body(route, await read_body(request))
         target = config.model(model)
-        if target is None or tools_refusal(
-            ROUTES[route].calls_tools, opened.fields, target, bool(config.models)
+        if target is None or model_refusal(
+            ROUTES[route], opened.fields, target, bool(config.models)
         ):
-            return None  # a fallback that cannot call the tools the request offers
+            return None  # a fallback that refuses what the request asks (tools, ...)
         parsed = finish_body(
             route,
             opened,

@@ -21,6 +21,7 @@ from appliance.gateway.answers import (
     end_with_error_event,
     read_whole,
     stream_response,
+    whole_answer,
 )
 from appliance.gateway.failures import RETRYABLE_STATUS, EngineFailure, failure_if_abandoned
 from appliance.gateway.http1 import MAX_CHUNK_BYTES, AnswerTooLarge
@@ -100,11 +101,7 @@ async def _answer_whole(
         gw.appliance.config.gateway.max_answer_bytes,
         lambda limit: read_limited(upstream, limit),
     )
-    resp = web.Response(
-        status=upstream.status,
-        body=body,
-        content_type=upstream.content_type or "application/json",
-    )
+    resp = whole_answer(call, upstream.status, body, upstream.content_type or "application/json")
     gw.metrics.first_byte(call.parsed.route, call.parsed.model, call.started)
     call.meter.answer = answer_usage(call, body)  # counted by the relay, however it ends
     return resp

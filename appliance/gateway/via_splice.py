@@ -20,6 +20,7 @@ from appliance.gateway.answers import (
     end_with_error_event,
     read_whole,
     stream_response,
+    whole_answer,
 )
 from appliance.gateway.failures import RETRYABLE_STATUS, EngineFailure, failure_if_abandoned
 from appliance.gateway.http1 import Head, UpstreamError, request_bytes
@@ -93,11 +94,8 @@ async def _until_first_chunk(
             body = await read_whole(gw.appliance.config.gateway.max_answer_bytes, conn.read_body)
             gw.metrics.first_byte(call.parsed.route, call.parsed.model, call.started)
             call.meter.answer = answer_usage(call, body)
-            return web.Response(
-                status=head.status,
-                body=body,
-                content_type=head.headers.get("content-type", "application/json").split(";")[0],
-            )
+            content_type = head.headers.get("content-type", "application/json").split(";")[0]
+            return whole_answer(call, head.status, body, content_type)
         # The relay counts the stream from its tap, however it ends (usage_events.charged):
         # from the head on, so a stream cut before its first chunk is counted too.
         call.meter.tap = conn.tap = StreamTap.for_plan(call.parsed.usage)

@@ -66,11 +66,14 @@ from aiohttp import web
 
 try:
     from tests.fakes import fake_lora
-    from tests.fakes.fake_protocols import ProtocolRoutes
+    from tests.fakes.fake_protocols import ProtocolRoutes, context_error
     from tests.fakes.fake_sleep import SleepMode
 except ImportError:  # run as a script without the repository on sys.path: its folder is
     import fake_lora  # type: ignore[import-not-found,no-redef]
-    from fake_protocols import ProtocolRoutes  # type: ignore[import-not-found,no-redef]
+    from fake_protocols import (  # type: ignore[import-not-found,no-redef]
+        ProtocolRoutes,
+        context_error,
+    )
     from fake_sleep import SleepMode  # type: ignore[import-not-found,no-redef]
 
 VERSION = "0.32.0-fake"
@@ -873,6 +876,8 @@ class FakeEngine:
         if not isinstance(raw, int) or isinstance(raw, bool) or raw < 1:
             return error_response(f"max_tokens must be at least 1, got {raw}.", param="max_tokens")
         limit = self.args.max_model_len
+        if prompt_tokens > limit:  # vLLM's 400, checked before max_tokens
+            return error_response(context_error(limit, prompt_tokens))
         if prompt_tokens + raw > limit:
             return error_response(
                 f"'max_tokens' or 'max_completion_tokens' is too large: {raw}. This model's "

@@ -43,6 +43,17 @@ def words(value: Any) -> int:
     return 0
 
 
+def context_error(limit: int, prompt_tokens: int) -> str:
+    """vLLM 0.32's words for a prompt longer than the context (renderers/params.py), as
+    its error response carries them (the VLLMValidationError's str, with its extras)."""
+    return (
+        f"This model's maximum context length is {limit} tokens. However, your prompt "
+        f"contains {prompt_tokens} input tokens, which exceeds this limit even without "
+        f"any output tokens. Please reduce the length of the input prompt. "
+        f"(parameter=input_tokens, value={prompt_tokens})"
+    )
+
+
 def anthropic_error(message: str, kind: str = "invalid_request_error", code: int = 400) -> Any:
     body = {"type": "error", "error": {"type": kind, "message": message}}
     return web.json_response(body, status=code)
@@ -233,6 +244,11 @@ class ProtocolRoutes:
         if not isinstance(n, int):
             return anthropic_error("max_tokens: Field required")
         prompt = words(body.get("messages")) + words(body.get("system") or "") + 4
+        if prompt > self.e.args.max_model_len:
+            # vLLM 0.32's Messages route: Anthropic's envelope around its own error's
+            # type and words (anthropic/api_router.py, translate_error_response).
+            limit = self.e.args.max_model_len
+            return anthropic_error(context_error(limit, prompt), "BadRequestError")
         self.e.prompt_tokens += prompt
         mid = f"chatcmpl-{secrets.token_hex(16)}"
         if not body.get("stream"):

@@ -301,14 +301,16 @@ def test_messages_refusals_are_in_anthropics_shape(box: Box) -> None:
             assert isinstance(err["error"]["message"], str) and "param" not in err
 
 
-def test_count_tokens_answers_the_engines_count_and_charges_nothing(box: Box) -> None:
+def test_count_tokens_answers_the_engines_count_and_charges_it(box: Box) -> None:
+    # No model runs, but the tokenizer's work counts like a prompt's (issue 33): a key's
+    # tpm bounds it (tests/integration/test_request_bounds.py).
     before = box.tokens(box.alice_id)
     body = {"model": CHAT, "messages": [{"role": "user", "content": "one two three"}]}
     code, _, got = box.call(
         "POST", "/v1/messages/count_tokens", body, headers={"x-api-key": box.alice}
     )
     assert code == 200 and got["input_tokens"] > 0
-    assert box.tokens(box.alice_id) == before
+    assert box.tokens(box.alice_id) == (before[0] + got["input_tokens"], before[1])
 
 
 def test_a_broken_messages_stream_ends_with_anthropics_error_event(box: Box) -> None:

@@ -252,6 +252,55 @@ def test_command_override_substitutes_every_placeholder(gpu: int | None, gpu_tex
     assert not any("{" in a or "}" in a for a in argv)
 
 
+def test_structured_output_is_compiled_by_guidance_and_no_media_is_fetched() -> None:
+    # vLLM's own default (auto: xgrammar) compiles a schema with no time limit, and
+    # fetches any http(s) media URL when --allowed-media-domains is absent (issue 33).
+    argv = argv_for(Config(), gpu=None)
+    assert option(argv, "--structured-outputs-config") == '{"backend":"guidance"}'
+    assert option(argv, "--allowed-media-domains") == "media.invalid"
+    assert argv[argv.index("--allowed-media-domains") + 2].startswith("--")  # one host only
+
+
+def test_a_models_backend_and_media_hosts_reach_its_command_line() -> None:
+    cfg = parse_config(
+        {
+            "models": [
+                {
+                    "name": "vl",
+                    "structured_outputs_backend": "xgrammar",
+                    "allowed_media_domains": ["images.example.com", "10.0.0.5"],
+                }
+            ]
+        }
+    )
+    argv = argv_for(cfg, gpu=0)
+    assert option(argv, "--structured-outputs-config") == '{"backend":"xgrammar"}'
+    at = argv.index("--allowed-media-domains")
+    assert argv[at + 1 : at + 3] == ("images.example.com", "10.0.0.5")
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--structured-outputs-config", '{"backend":"outlines"}', "--allowed-media-domains", "a"],
+        ['--structured-outputs-config={"backend":"auto"}', "--allowed-media-domains=a"],
+        ["--structured-outputs-config.backend", "auto", "--allowed-media-domains", "a", "b"],
+    ],
+    ids=["spaced", "equals", "dotted"],
+)
+def test_the_admins_own_flags_in_extra_args_win(extra: list[str]) -> None:
+    argv = argv_for(parse_config({"engine": {"extra_args": extra}}), gpu=None)
+    assert argv[-len(extra) :] == tuple(extra)
+    assert sum(a.startswith("--structured-outputs-config") for a in argv) == 1
+    assert sum(a.startswith("--allowed-media-domains") for a in argv) == 1
+
+
+def test_an_embedding_model_gets_no_generation_flags() -> None:
+    cfg = parse_config({"models": [{"name": "e", "model": "packaged:all-minilm-l6-v2"}]})
+    argv = argv_for(cfg, gpu=None)
+    assert "--structured-outputs-config" not in argv and "--allowed-media-domains" not in argv
+
+
 # ---------------------------------------------------------------------------------------
 # build_env
 # ---------------------------------------------------------------------------------------
@@ -314,6 +363,32 @@ def test_env_is_offline_tagged_and_keeps_the_base(gpu: int | None) -> None:
     for key, value in BASE.items():
         assert env[key] == value
     assert base_before == BASE  # the base is not modified
+
+
+def test_env_keeps_media_fetches_on_the_allowed_hosts() -> None:
+    # vLLM 0.32 follows redirects by default: an allowed host's redirect could lead
+    # anywhere. engine.env may still turn them on.
+    assert env_for(Config(), gpu=None)["VLLM_MEDIA_URL_ALLOW_REDIRECTS"] == "0"
+    cfg = parse_config({"engine": {"env": {"VLLM_MEDIA_URL_ALLOW_REDIRECTS": "1"}}})
+    assert env_for(cfg, gpu=None)["VLLM_MEDIA_URL_ALLOW_REDIRECTS"] == "1"
+
+
+@pytest.mark.parametrize(
+    ("engine", "strict"),
+    [
+        ({}, "0"),  # guidance: tool calls constrained by a JSON schema it compiles
+        ({"structured_outputs_backend": "xgrammar"}, None),  # vLLM's structural tags
+        ({"extra_args": ["--structured-outputs-config.backend", "guidance"]}, None),  # theirs
+        ({"env": {"VLLM_ENFORCE_STRICT_TOOL_CALLING": "1"}}, "1"),
+    ],
+    ids=["guidance", "xgrammar", "admins-flag", "admins-env"],
+)
+def test_guidance_engines_constrain_tool_calls_by_json_schema(
+    engine: dict[str, object], strict: str | None
+) -> None:
+    # vLLM 0.32's tool-call structural tags are xgrammar's; guidance answers them 400.
+    env = env_for(parse_config({"engine": engine}), gpu=None)
+    assert env.get("VLLM_ENFORCE_STRICT_TOOL_CALLING") == strict
 
 
 def test_env_turns_on_vllms_response_store() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import typing
 from pathlib import Path
-from typing import Any, get_args, get_origin
+from typing import Any, Literal, get_args, get_origin
 
 import pytest
 
@@ -44,6 +44,8 @@ MUST_NEED_RESTART = {
     "engine.env",
     "engine.command",
     "engine.cpu_kvcache_space_gib",
+    "engine.structured_outputs_backend",  # on the engine's command line
+    "engine.allowed_media_domains",  # likewise, and the gateway reads the same list
     "telemetry.source",
 }
 
@@ -69,6 +71,8 @@ def other_value(cls: type[Any], name: str, current: Any) -> Any:
         return "cpu" if current != "cpu" else "cuda"
     if name == "listen":
         return "tcp" if current != "tcp" else "unix"
+    if get_origin(tp) is Literal:
+        return next(a for a in get_args(tp) if a != current)
     raise AssertionError(f"no other value for {name}: {tp} {get_args(tp)}")
 
 

@@ -14,7 +14,10 @@ What a route says:
   what it costs an engine (``cost``: a :class:`appliance.gateway.cost.Cost`, with the
   field the forwarded body must carry, if any), the most prompt tokens the engine can
   count (``prompt_bound``: what a request cut off before its count is charged), and
-  anything the gateway writes into the forwarded body (``prepare``);
+  anything the gateway writes into the forwarded body (``prepare``), the fields that ask
+  for a log-probability of every prompt token (``prompt_logprobs``) and those whose
+  content parts may carry media URLs (``media_fields``): what a model may refuse
+  (refusals.py);
 - **the answer**: the engine's own counts in a whole answer (``answer_usage``) and in a
   stream's events (``event_usage``; None: chat and completions' own reader, which asks
   for the usage event and takes it out again, usage_events.StreamTap), how many events
@@ -72,6 +75,9 @@ class Route:
     error_event: ErrorEvent = sse_error_event  # what ends a stream broken after its start
     engine_path: str = ""  # "": the path the client called (vLLM serves each of them)
     calls_tools: Callable[[Mapping[str, Any]], bool] | None = None  # needs a parser (tools.py)
+    # The field that asks the engine for every prompt token's logprobs, or None (logprobs.py)
+    prompt_logprobs: Callable[[Mapping[str, Any]], str | None] | None = None
+    media_fields: tuple[str, ...] = ()  # fields whose content may hold media URLs (media.py)
 
     @property
     def path(self) -> str:
@@ -88,9 +94,26 @@ def bad_request(message: str, param: str | None = None) -> GatewayError:
     return GatewayError(400, message, param=param, code="invalid_request", reason="bad_request")
 
 
-def no_usage(body: bytes) -> Usage:
-    """A route whose answer runs no model (tokenize, count_tokens): nothing to count."""
-    return Usage(0, 0)
+def counted_tokens(field: str) -> Callable[[bytes], Usage | None]:
+    """The reader of a route whose answer runs no model but counts tokens (``/tokenize``'s
+    ``count``, count_tokens' ``input_tokens``): they are charged as prompt tokens, so a
+    key's tpm bounds how much text it has tokenized; None (charged the route's prompt
+    bound) when the answer does not say."""
+
+    def read(body: bytes) -> Usage | None:
+        obj = answer_json(body)
+        count = obj.get(field) if isinstance(obj, dict) else None
+        if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+            return None
+        return Usage(count, 0)
+
+    return read
+
+
+def no_count(body: bytes) -> None:
+    """A route whose answer carries no count (``/detokenize``): charged its prompt bound,
+    which for it is exact (the token ids it was sent)."""
+    return None
 
 
 def require_list_or_text(body: Mapping[str, Any], name: str) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 from appliance.config import GatewayConfig
 from appliance.gateway.cost import Cost, prompt_bound, request_cost
 from appliance.gateway.protocols.base import Route, bad_request
+from appliance.gateway.protocols.logprobs import completions_prompt_logprobs
 from appliance.gateway.usage_counts import usage_of_answer
 
 
@@ -39,5 +40,6 @@ COMPLETIONS = Route(
     prompt_bound=_bound,
     answer_usage=usage_of_answer,
     streams=True,
+    prompt_logprobs=completions_prompt_logprobs,
 )
 ROUTES = (COMPLETIONS,)

@@ -35,5 +35,6 @@ EMBEDDINGS = Route(
     cost=_cost,
     prompt_bound=_bound,
     answer_usage=usage_of_answer,
+    media_fields=("messages",),  # vLLM embeds chat-style messages too
 )
 ROUTES = (EMBEDDINGS,)

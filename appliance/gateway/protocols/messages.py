@@ -19,8 +19,8 @@ What the ``anthropic`` SDK and Claude Code send. The key may come as ``x-api-key
   nothing is added, nothing taken out). Anthropic's ``input_tokens`` leaves out cached
   tokens (``cache_read_input_tokens``, ``cache_creation_input_tokens``): the prompt the
   engine ran is their sum.
-- ``count_tokens`` runs no model: its answer is counted as nothing, its cost is its
-  prompt (admission and rpm still apply).
+- ``count_tokens`` runs no model, but the tokenizer's work is charged to the key's tpm
+  like a prompt: its answer's ``input_tokens`` (tokenize.py says why).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from appliance.gateway.protocols.base import (
     Route,
     answer_json,
     bad_request,
-    no_usage,
+    counted_tokens,
     positive,
     sse_data,
     sse_event_name,
@@ -222,6 +222,7 @@ MESSAGES = Route(
     shape="anthropic",
     error_event=error_event,
     calls_tools=anthropic_calls_tools,
+    media_fields=("messages",),
 )
 COUNT_TOKENS = Route(
     name="count_tokens",
@@ -230,7 +231,8 @@ COUNT_TOKENS = Route(
     check=_check_input,
     cost=_count_cost,
     prompt_bound=_bound,
-    answer_usage=no_usage,
+    answer_usage=counted_tokens("input_tokens"),  # charged like a prompt (tokenize.py)
     shape="anthropic",
+    media_fields=("messages",),
 )
 ROUTES = (MESSAGES, COUNT_TOKENS)

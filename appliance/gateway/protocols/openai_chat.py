@@ -14,6 +14,7 @@ from typing import Any
 from appliance.config import GatewayConfig
 from appliance.gateway.cost import Cost, prompt_bound, request_cost
 from appliance.gateway.protocols.base import Route, bad_request
+from appliance.gateway.protocols.logprobs import chat_prompt_logprobs
 from appliance.gateway.protocols.tools import openai_calls_tools
 from appliance.gateway.usage_counts import usage_of_answer
 
@@ -43,5 +44,7 @@ CHAT = Route(
     streams=True,
     preamble=1,
     calls_tools=openai_calls_tools,
+    prompt_logprobs=chat_prompt_logprobs,
+    media_fields=("messages",),
 )
 ROUTES = (CHAT,)

@@ -223,5 +223,6 @@ RESPONSES = Route(
     state=_state,
     error_event=error_event,
     calls_tools=openai_calls_tools,
+    media_fields=("input",),
 )
 ROUTES = (RESPONSES,)

@@ -92,6 +92,7 @@ SCORE = Route(
     cost=_costing(SCORE_PAIRS),
     prompt_bound=_bounding(SCORE_PAIRS),
     answer_usage=usage_of_answer,
+    media_fields=tuple(name for pair in SCORE_PAIRS for name in pair),  # parts may be media
 )
 RERANK = Route(
     name="rerank",
@@ -101,5 +102,6 @@ RERANK = Route(
     cost=_costing((RERANK_PAIR,)),
     prompt_bound=_bounding((RERANK_PAIR,)),
     answer_usage=usage_of_answer,
+    media_fields=RERANK_PAIR,
 )
 ROUTES = (SCORE, RERANK)

@@ -2,8 +2,10 @@
 
 Any model's engine serves them (generate and embed alike; vLLM attaches them to every
 server). ``/tokenize`` takes a ``prompt`` (a text) or chat ``messages`` (rendered by the
-chat template); ``/detokenize`` takes ``tokens``. No model runs: the answer is counted
-as nothing, the cost is the text's estimate (admission and rpm still apply).
+chat template); ``/detokenize`` takes ``tokens``. No model runs, but the tokenizer's
+work is charged to the key's tpm like a prompt's: ``/tokenize`` its answer's ``count``,
+``/detokenize`` the ids it was sent (its answer has no count), so a key cannot tokenize
+without end against a tpm that limits its chats.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Any
 
 from appliance.config import GatewayConfig
 from appliance.gateway.cost import Cost, chat_prompt_tokens, prompt_bound, text_bound, text_tokens
-from appliance.gateway.protocols.base import Route, bad_request, no_usage
+from appliance.gateway.protocols.base import Route, bad_request, counted_tokens, no_count
 
 TASKS = ("generate", "embed")
 
@@ -61,7 +63,8 @@ TOKENIZE = Route(
     check=_check,
     cost=_cost,
     prompt_bound=_bound,
-    answer_usage=no_usage,
+    answer_usage=counted_tokens("count"),
+    media_fields=("messages",),  # rendered as a chat would be, media and all
 )
 DETOKENIZE = Route(
     name="detokenize",
@@ -70,6 +73,6 @@ DETOKENIZE = Route(
     check=_check_tokens,
     cost=_tokens_cost,
     prompt_bound=_tokens_bound,
-    answer_usage=no_usage,
+    answer_usage=no_count,
 )
 ROUTES = (TOKENIZE, DETOKENIZE)
