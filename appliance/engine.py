@@ -252,7 +252,7 @@ def _model_args(served: ServedModel, speculative_json: str) -> list[str]:
             args += ["--enable-auto-tool-choice", "--tool-call-parser", e.tool_call_parser]
         if e.reasoning_parser:
             args += ["--reasoning-parser", e.reasoning_parser]
-        args += _request_guard_args(e)
+        args += request_guard_args(e)
     if served.tensor_parallel_size > 1:
         args += ["--tensor-parallel-size", str(served.tensor_parallel_size)]
     if speculative_json:
@@ -265,7 +265,7 @@ def _model_args(served: ServedModel, speculative_json: str) -> list[str]:
 NO_MEDIA_HOST = "media.invalid"
 
 
-def _request_guard_args(e: EngineConfig) -> list[str]:
+def request_guard_args(e: EngineConfig) -> list[str]:
     """What bounds the work one request can make a generate engine do (docs/security.md),
     each left to the admin's own flag in extra_args when there is one:
 
@@ -284,6 +284,20 @@ def _request_guard_args(e: EngineConfig) -> list[str]:
     if not _sets(e.extra_args, "--allowed-media-domains"):
         args += ["--allowed-media-domains", *(e.allowed_media_domains or [NO_MEDIA_HOST])]
     return args
+
+
+def request_guard_env(e: EngineConfig) -> dict[str, str]:
+    """The environment that goes with :func:`request_guard_args`."""
+    # A media URL on an allowed host must not redirect the engine's fetch to one that
+    # is not (vLLM 0.32 follows redirects unless told not to).
+    env = {"VLLM_MEDIA_URL_ALLOW_REDIRECTS": "0"}
+    if _our_backend(e) and e.structured_outputs_backend == "guidance":
+        # vLLM 0.32 constrains tool calls (tool_choice "required", a named tool, strict
+        # tools) with xgrammar's structural tags, which its guidance backend cannot read
+        # (a 400 "Invalid grammar specification: 'triggers'"). Off, they are constrained
+        # by a JSON schema of the tools instead, which guidance compiles.
+        env["VLLM_ENFORCE_STRICT_TOOL_CALLING"] = "0"
+    return env
 
 
 def _our_backend(e: EngineConfig) -> bool:
@@ -340,17 +354,9 @@ def build_env(
             # Its store is in the engine's memory, unbounded (docs/api.md): the model's
             # responses_store turns it off (the gateway reads the same key).
             "VLLM_ENABLE_RESPONSES_API_STORE": "1" if engine.responses_store else "0",
-            # A media URL on an allowed host must not redirect the engine's fetch to
-            # one that is not (vLLM 0.32 follows redirects unless told not to).
-            "VLLM_MEDIA_URL_ALLOW_REDIRECTS": "0",
         }
     )
-    if _our_backend(engine) and engine.structured_outputs_backend == "guidance":
-        # vLLM 0.32 constrains tool calls (tool_choice "required", a named tool, strict
-        # tools) with xgrammar's structural tags, which its guidance backend cannot read
-        # (a 400 "Invalid grammar specification: 'triggers'"). Off, they are constrained
-        # by a JSON schema of the tools instead, which guidance compiles.
-        env["VLLM_ENFORCE_STRICT_TOOL_CALLING"] = "0"
+    env.update(request_guard_env(engine))
     if gpus:
         # NVML numbers GPUs by PCI bus; CUDA by default fastest-first. Pin CUDA to the
         # same order so an engine's GPUs pair with those GPUs' temperatures.

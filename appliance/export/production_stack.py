@@ -40,6 +40,7 @@ from typing import Any
 
 from appliance import paths
 from appliance.config import Config, EngineConfig, ServedModel
+from appliance.engine import request_guard_args, request_guard_env
 
 CHART = "vllm-stack (github.com/vllm-project/production-stack, helm/)"
 IMAGE = ("vllm/vllm-openai", "latest")  # the vLLM project's own image
@@ -63,6 +64,10 @@ NOT_CARRIED: tuple[str, ...] = (
     "fallback between models and model aliases: the same gateway in front (LiteLLM's "
     "fallbacks and model_name aliases)",
     "the audit trail (who asked what, when): the gateway's request logs",
+    "the gateway's request refusals (prompt_logprobs and echo with logprobs unless "
+    "allow_prompt_logprobs, media URLs outside allowed_media_domains): the chart's "
+    "router passes every request body to vLLM; the engines' --allowed-media-domains "
+    "and structured-output backend do carry over",
     "the gateway's admission queue (max_inflight, max_inflight_tokens, max_queue, "
     "queue_timeout_s): vLLM queues inside the engine; vllmConfig.maxNumSeqs caps a "
     "replica's batch",
@@ -99,6 +104,10 @@ CARRIED: Mapping[str, str] = {
     "engine.tool_call_parser": "--enable-auto-tool-choice --tool-call-parser in extraArgs",
     "engine.reasoning_parser": "--reasoning-parser in extraArgs",
     "engine.responses_store": "env VLLM_ENABLE_RESPONSES_API_STORE",
+    "engine.structured_outputs_backend": "--structured-outputs-config in extraArgs (and "
+    "env VLLM_ENFORCE_STRICT_TOOL_CALLING for guidance)",
+    "engine.allowed_media_domains": "--allowed-media-domains in extraArgs, env "
+    "VLLM_MEDIA_URL_ALLOW_REDIRECTS",
 }
 NOT_APPLICABLE: Mapping[str, str] = {
     "engine.listen": "how the gateway reaches an engine on this box; the chart's router "
@@ -125,6 +134,8 @@ NOT_CARRIED_KEYS: Mapping[str, str] = {
     "engine.startup_timeout_s": "not carried: give the pod a startupProbe (or the "
     "readinessProbe's initialDelaySeconds) as long",
     "engine.stop_timeout_s": "not carried: set terminationGracePeriodSeconds as long",
+    "engine.allow_prompt_logprobs": "not carried: the chart's router refuses nothing, so "
+    "prompt_logprobs reach vLLM whatever this says",
 }
 
 
@@ -231,6 +242,7 @@ def vllm_config(m: ServedModel, on_cpu: bool) -> dict[str, Any]:
             args += ["--enable-auto-tool-choice", "--tool-call-parser", e.tool_call_parser]
         if e.reasoning_parser:
             args += ["--reasoning-parser", e.reasoning_parser]
+        args += request_guard_args(e)
     if m.speculative:
         args += ["--speculative-config", speculative(m)]
     out["extraArgs"] = [*args, *extra]
@@ -241,7 +253,7 @@ def container_env(m: ServedModel, on_cpu: bool) -> dict[str, str]:
     """The container's environment: what our engines get from the model's keys (the
     Responses API's store, the CPU KV cache), then engine.env's, which wins as it does
     on the box (appliance/engine.py build_env)."""
-    env: dict[str, str] = {}
+    env = request_guard_env(m.engine)
     if m.task != "embed" and m.engine.responses_store:
         env["VLLM_ENABLE_RESPONSES_API_STORE"] = "1"  # vLLM's default is off
     if on_cpu:

@@ -30,6 +30,18 @@ REPO = Path(__file__).resolve().parents[2]
 CHART_SHAPE = REPO / "tests/data/production-stack/values-0.1.12.yaml"
 CHAT = "packaged:smollm2-135m-instruct"
 EMBED = "packaged:all-minilm-l6-v2"
+# What every generate engine gets against one request's outsized work (engine.py's
+# request_guard_args and request_guard_env), in the pod as on the box.
+GUARD_ARGS = [
+    "--structured-outputs-config",
+    '{"backend":"guidance"}',
+    "--allowed-media-domains",
+    "media.invalid",
+]
+GUARD_ENV = [
+    {"name": "VLLM_ENFORCE_STRICT_TOOL_CALLING", "value": "0"},
+    {"name": "VLLM_MEDIA_URL_ALLOW_REDIRECTS", "value": "0"},
+]
 
 
 def spec_of(raw: dict[str, Any], name: str | None = None) -> dict[str, Any]:
@@ -125,6 +137,7 @@ CASES: list[tuple[str, dict[str, Any], str | None, dict[str, Any]]] = [
                 "chat",
                 "--max-num-batched-tokens",
                 "4096",
+                *GUARD_ARGS,
             ],
         },
     ),
@@ -139,6 +152,7 @@ CASES: list[tuple[str, dict[str, Any], str | None, dict[str, Any]]] = [
                 "smollm2-135m-instruct",
                 "--max-num-batched-tokens",
                 "8192",
+                *GUARD_ARGS,
                 "--enforce-eager",
             ],
         },
@@ -166,6 +180,7 @@ CASES: list[tuple[str, dict[str, Any], str | None, dict[str, Any]]] = [
             "env": [
                 {"name": "HF_HUB_OFFLINE", "value": "1"},
                 {"name": "VLLM_ENABLE_RESPONSES_API_STORE", "value": "1"},
+                *GUARD_ENV,
             ]
         },
     ),
@@ -184,6 +199,7 @@ CASES: list[tuple[str, dict[str, Any], str | None, dict[str, Any]]] = [
                 "hermes",
                 "--reasoning-parser",
                 "qwen3",
+                *GUARD_ARGS,
             ],
         },
     ),
@@ -191,7 +207,7 @@ CASES: list[tuple[str, dict[str, Any], str | None, dict[str, Any]]] = [
         "responses_store = false: no store in the pod either; CPU: the KV cache's size",
         {"engine": {"device": "cpu", "responses_store": False, "cpu_kvcache_space_gib": 4}},
         None,
-        {"env": [{"name": "VLLM_CPU_KVCACHE_SPACE", "value": "4"}]},
+        {"env": [{"name": "VLLM_CPU_KVCACHE_SPACE", "value": "4"}, *GUARD_ENV]},
     ),
 ]
 
