@@ -10,10 +10,14 @@ own network, where the router's wait for its /health must succeed.
 
 What it proves: the play converges and a second run changes nothing; the router listens
 on loopback only (a client on a LAN address is refused) unless ``allow_lan`` is said;
+on this host only root and the named caller (the reverse proxy's account) reach it: another
+local account can neither add a worker of its own nor serve the router's port while
+the router is down, and turning ``restrict_local`` off is what lets it in again;
 the unit's hardening applies to the running process; requests reach the box, which
 checks the key, and the key stays out of the journal; a killed router is restarted by
 systemd; and a box behind TLS with a private CA is reached through the role's
-``llm_appliance_router_ca_file``. About 80 s, most of it pip and the converges.
+``llm_appliance_router_ca_file``. About 7 min on a 2-core machine, most of it pip and
+the converges (nine of the front play).
 """
 
 from __future__ import annotations
@@ -34,6 +38,9 @@ from tests.fakes.router_proc import ROUTER_VERSION, install_router
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 UNIT = "vllm-router.service"
+ACCESS_UNIT = "vllm-router-access.service"
+CALLER = "llm-proxy"  # the reverse proxy's account, named in local_callers
+OTHER = "mallory"  # any other local account
 PORT = 8090  # the box's gateway has 8080 on this host
 INVENTORY = "/srv/front-inventory.ini"
 INVENTORY_TEXT = f"""\
@@ -47,9 +54,9 @@ DEFAULTS: dict[str, object] = {
     "llm_appliance_router_source_dir": ai.SRC,
     "llm_appliance_router_port": PORT,
     "llm_appliance_router_wait_ready_timeout": 60,
+    "llm_appliance_router_local_callers": [CALLER],
 }
 LAN_BOX, LAN_CLIENT = "192.0.2.10", "192.0.2.20"  # TEST-NET-1: never a real network
-DYNAMIC_UIDS = range(61184, 65520)  # systemd's range for DynamicUser=yes
 CHAT = {
     "model": "smollm2-135m-instruct",
     "max_tokens": 5,
@@ -58,13 +65,13 @@ CHAT = {
 
 _HTTP = """
 import sys, urllib.request, urllib.error
-url, key, body = sys.argv[1], sys.argv[2], sys.argv[3]
+url, key, body, method, timeout = sys.argv[1:6]
 h = {"Content-Type": "application/json"}
 if key:
     h["Authorization"] = "Bearer " + key
-req = urllib.request.Request(url, data=body.encode() if body else None, headers=h)
+req = urllib.request.Request(url, data=body.encode() if body else None, headers=h, method=method)
 try:
-    r = urllib.request.urlopen(req, timeout=10)
+    r = urllib.request.urlopen(req, timeout=float(timeout))
     code, out = r.status, r.read().decode(errors="replace")
 except urllib.error.HTTPError as e:
     code, out = e.code, e.read().decode(errors="replace")
@@ -98,6 +105,26 @@ ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
 ctx.load_cert_chain(sys.argv[2], sys.argv[3])
 srv.socket = ctx.wrap_socket(srv.socket, server_side=True)
 srv.serve_forever()
+"""
+
+# Another account's server on the router's port while the router is down: it prints
+# whatever reaches it (the journal of its unit) and answers 200.
+_SQUATTER = """
+import socket, sys
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("127.0.0.1", int(sys.argv[1])))
+s.listen()
+print("listening", flush=True)
+while True:
+    c, _ = s.accept()
+    c.settimeout(5)
+    try:
+        print("got", c.recv(65536), flush=True)
+        c.sendall(b"HTTP/1.1 200 OK\\r\\nContent-Length: 2\\r\\nConnection: close\\r\\n\\r\\n{}")
+    except OSError as e:
+        print("error", repr(e), flush=True)
+    c.close()
 """
 
 
@@ -136,10 +163,31 @@ class Front:
         )
 
     def http(
-        self, url: str, key: str = "", body: Any = None, from_lan: bool = False
+        self,
+        url: str,
+        key: str = "",
+        body: Any = None,
+        from_lan: bool = False,
+        user: str = "",
+        method: str = "",
+        timeout: float = 10.0,
     ) -> tuple[int, str]:
-        """One request from inside the container (or from the LAN client): (status, body)."""
-        argv = [sc.SYSTEM_PYTHON, "-c", _HTTP, url, key, json.dumps(body) if body else ""]
+        """One request from inside the container (or from the LAN client): (status, body).
+
+        ``user``: sent by that local account rather than root."""
+        data = json.dumps(body) if body else ""
+        argv = [
+            sc.SYSTEM_PYTHON,
+            "-c",
+            _HTTP,
+            url,
+            key,
+            data,
+            method or ("POST" if data else "GET"),
+        ]
+        argv.append(str(timeout))
+        if user:
+            argv = ["runuser", "-u", user, "--", *argv]
         if from_lan:
             argv = ["nsenter", "-t", self.lan_pid, "-n", *argv]
         r = self.box.run(argv, timeout=60)
@@ -180,6 +228,9 @@ def front(installed_appliance: sc.InstalledAppliance) -> Iterator[Front]:
     app.box.run(["systemctl", "start", sc.UNIT_NAME], check=True, timeout=120)
     ai.copy_checkout(app.box)
     app.box.write(INVENTORY, INVENTORY_TEXT)
+    for user in (CALLER, OTHER):
+        if app.box.run(["id", "-u", user]).returncode != 0:
+            app.box.run(["useradd", "--no-create-home", "--shell", "/bin/sh", user], check=True)
     rc, out, install_s = ai.playbook(
         app.box,
         "front.yml",
@@ -212,6 +263,8 @@ def test_front_play_converges_then_changes_nothing(front: Front) -> None:
     state = front.state()
     assert (state["ActiveState"], state["SubState"]) == ("active", "running"), state
     assert state["UnitFileState"] == "enabled", state
+    access = front.box.show(ACCESS_UNIT, "ActiveState", "UnitFileState")
+    assert access == {"ActiveState": "active", "UnitFileState": "enabled"}, access
     unit = front.box.run(["cat", f"/etc/systemd/system/{UNIT}"], check=True).stdout
     assert unit == (sc.REPO / "systemd" / UNIT).read_text(), "the unit is not installed unchanged"
 
@@ -264,9 +317,11 @@ def test_router_runs_with_the_units_hardening(front: Front) -> None:
         for line in front.box.run(["cat", f"/proc/{pid}/status"]).stdout.splitlines()
     )
     uid = int(status["Uid"].split()[0])
-    assert uid in DYNAMIC_UIDS and len(set(status["Uid"].split())) == 1, status["Uid"]
+    assert len(set(status["Uid"].split())) == 1, status["Uid"]
+    # DynamicUser=yes takes the role's static system account of the unit's name (the
+    # access table names its uid), with the same sandbox as a dynamic one.
     user = front.box.run(["getent", "passwd", str(uid)], check=True).stdout
-    assert user.startswith("vllm-router:"), user
+    assert user.startswith("vllm-router:") and uid < 1000, user
     assert status["NoNewPrivs"].strip() == "1"
     assert status["Seccomp"].strip() == "2"  # SystemCallFilter= applies
     for caps in ("CapPrm", "CapEff", "CapBnd"):
@@ -304,6 +359,8 @@ def test_router_routes_to_the_box_which_checks_the_key(front: Front) -> None:
 
 def test_killed_router_is_restarted_by_systemd(front: Front) -> None:
     before = front.state()
+    # `kill -9 0` would kill this test's own process group (nsenter keeps it).
+    assert before["MainPID"] != "0", before
     cursor = front.box.journal_cursor()
     front.box.run(["kill", "-9", before["MainPID"]], check=True)
 
@@ -368,3 +425,76 @@ def test_box_behind_tls_with_a_private_ca(front: Front) -> None:
         box.run(["systemctl", "stop", "fake-tls-box"], timeout=30)
         rc, out, _ = front.converge("front-converge-back.txt")
         assert rc == 0, ai.failed_tasks(out)
+
+
+def test_only_root_and_the_named_caller_reach_the_router(front: Front) -> None:
+    router = f"http://127.0.0.1:{PORT}"
+    # The capture: another account adds a worker of its own through the admin route,
+    # which takes no key, and then receives the team's requests with their keys.
+    code, out = front.http(
+        f"{router}/add_worker?url=http://127.0.0.1:8099", user=OTHER, method="POST"
+    )
+    assert (code, "ConnectionRefusedError" in out) == (0, True), (code, out)
+    code, out = front.http(f"{router}/v1/models", user=OTHER)
+    assert (code, "ConnectionRefusedError" in out) == (0, True), (code, out)
+    # The reverse proxy's account routes through it to the box, which checks the key.
+    key = front.app.admin_key()
+    code, body = front.http(f"{router}/v1/chat/completions", key, CHAT, user=CALLER)
+    assert code == 200 and json.loads(body)["choices"][0]["message"]["content"], (code, body)
+    code, body = front.http(f"{router}/workers")  # root, as the role and the admin
+    workers = [w["url"] for w in json.loads(body)["workers"]]
+    assert (code, workers) == (200, [f"http://127.0.0.1:{sc.GATEWAY_PORT}"]), (code, body)
+
+
+def test_no_other_account_serves_the_routers_port_while_it_is_down(front: Front) -> None:
+    """At boot the router listens only once a box answers (minutes on a box that loads
+    its models): until then, or after a crash, the port is free for anyone to bind."""
+    box, key = front.box, front.app.admin_key()
+    url = f"http://127.0.0.1:{PORT}/v1/chat/completions"
+    box.write("/srv/squatter.py", _SQUATTER)
+    box.run(["systemctl", "stop", UNIT], check=True, timeout=60)
+    try:
+        box.run(
+            [
+                "systemd-run",
+                "--unit=squatter",
+                f"--uid={OTHER}",
+                sc.SYSTEM_PYTHON,
+                "/srv/squatter.py",
+                str(PORT),
+            ],
+            check=True,
+        )
+        wait_for(
+            lambda: "listening" in box.journal("-u", "squatter", "-o", "cat"), 10, "the squatter"
+        )
+        code, out = front.http(url, key, CHAT, user=CALLER, timeout=3)
+        heard = box.journal("-u", "squatter", "-o", "cat")
+        assert key not in heard and "got" not in heard, heard
+        assert (code, "timed out" in out) == (0, True), (code, out)
+        assert front.box.show(ACCESS_UNIT, "ActiveState")["ActiveState"] == "active"
+    finally:
+        box.run(["systemctl", "stop", "squatter"], timeout=30)
+        box.run(["systemctl", "start", UNIT], check=True, timeout=60)
+    wait_for(lambda: front.http(f"http://127.0.0.1:{PORT}/health")[0] == 200, 30, "/health")
+    code, _ = front.http(url, key, CHAT, user=CALLER)
+    assert code == 200
+
+
+def test_restrict_local_off_lets_every_account_in(front: Front) -> None:
+    """The table is what keeps them out: turned off, the role removes it and its unit."""
+    health = f"http://127.0.0.1:{PORT}/health"
+    try:
+        rc, out, _ = front.converge(
+            "front-converge-open.txt", llm_appliance_router_restrict_local=False
+        )
+        assert rc == 0, f"the converge failed (rc {rc}):\n{ai.failed_tasks(out)}"
+        assert front.http(health, user=OTHER)[0] == 200
+        assert front.box.run(["nft", "list", "table", "inet", "vllm_router_access"]).returncode
+        assert front.box.show(ACCESS_UNIT, "LoadState")["LoadState"] == "not-found"
+    finally:
+        rc, out, _ = front.converge("front-converge-back.txt")
+        assert rc == 0, ai.failed_tasks(out)
+    code, out = front.http(health, user=OTHER)
+    assert (code, "ConnectionRefusedError" in out) == (0, True), (code, out)
+    assert front.http(health, user=CALLER)[0] == 200

@@ -58,10 +58,12 @@ def _playbook(tmp: Path, plays: list[dict[str, Any]]) -> Path:
     return path
 
 
-def _render(tmp: Path, extra: dict[str, Any] | None = None) -> str:
-    """The role's environment file for INVENTORY, rendered on the controller."""
+def _render(
+    tmp: Path, extra: dict[str, Any] | None = None, template: str = "vllm-router.env.j2"
+) -> str:
+    """One of the role's templates for INVENTORY, rendered on the controller."""
     assert ANSIBLE_PLAYBOOK is not None
-    out = tmp / "router.env"
+    out = tmp / template.removesuffix(".j2")
     play = {
         "name": "Render the router's arguments",
         "hosts": "llm_appliance_router",
@@ -71,7 +73,7 @@ def _render(tmp: Path, extra: dict[str, Any] | None = None) -> str:
             {
                 "name": "Write the environment file",
                 "ansible.builtin.template": {
-                    "src": str(ROLE / "templates/vllm-router.env.j2"),
+                    "src": str(ROLE / "templates" / template),
                     "dest": str(out),
                     "mode": "0644",
                 },
@@ -153,6 +155,69 @@ def test_the_real_router_accepts_the_arguments(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == f"{WORKERS} cache_aware /readyz"
+
+
+def test_access_table_lets_only_the_callers_connect_and_the_router_answer(
+    tmp_path: Path,
+) -> None:
+    """The nftables table vllm-router-access.service loads: the uids the configure tasks
+    look up (root and the callers; the router's own account) and the router's port."""
+    text = _render(
+        tmp_path,
+        {
+            "llm_appliance_router_port": 8090,
+            "llm_appliance_router__caller_uids": [0, 997],
+            "llm_appliance_router__uid": 998,
+        },
+        template="access.nft.j2",
+    )
+    rules = [
+        line.strip()
+        for line in text.splitlines()
+        if line.strip().startswith(("elem", "oif", "tcp"))
+    ]
+    assert rules == [
+        "elements = { 0, 997 }",
+        'oifname "lo" tcp dport 8090 meta skuid != @callers reject with tcp reset',
+        "tcp sport 8090 meta skuid != 998 drop",
+    ]
+    # Replaced whole, in one transaction: a reload never leaves the port open.
+    assert text.index("delete table inet vllm_router_access") < text.index("set callers")
+
+
+@pytest.mark.parametrize(
+    ("given", "callers"),
+    [(["caddy"], ["caddy"]), ("caddy, www-data", ["caddy", "www-data"]), ([], [])],
+    ids=["list", "string from an INI group's vars", "none"],
+)
+def test_local_callers_as_a_list_or_a_string(tmp_path: Path, given: Any, callers: Any) -> None:
+    """[group:vars] in an INI inventory gives a string, which the specs accept unconverted."""
+    assert ANSIBLE_PLAYBOOK is not None
+    out = tmp_path / "callers.json"
+    play = {
+        "name": "Write the callers the role uses",
+        "hosts": "llm_appliance_router",
+        "gather_facts": False,
+        "vars_files": [str(ROLE / "defaults/main.yml"), str(ROLE / "vars/main.yml")],
+        "tasks": [
+            {
+                "name": "Write them",
+                "ansible.builtin.copy": {
+                    "content": "{{ llm_appliance_router__local_callers | to_json }}",
+                    "dest": str(out),
+                    "mode": "0644",
+                },
+            }
+        ],
+    }
+    extra = {
+        "ansible_python_interpreter": sys.executable,
+        "llm_appliance_router_local_callers": given,
+    }
+    args = [ANSIBLE_PLAYBOOK, "-i", str(_inventory(tmp_path)), str(_playbook(tmp_path, [play]))]
+    proc = _run([*args, "-e", json.dumps(extra)], ANSIBLE_DIR, tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert json.loads(out.read_text()) == callers
 
 
 def _validate(tmp: Path, extra: dict[str, Any], inventory: str = INVENTORY) -> str:

@@ -73,3 +73,28 @@ def test_systemd_analyze_security_exposure_at_most_2(tmp_path: Path, text: str) 
     match = re.search(r"Overall exposure level for \S+: (\d+(?:\.\d+)?)", result.stdout)
     assert match, result.stdout[-2000:]
     assert float(match.group(1)) <= MAX_EXPOSURE, result.stdout
+
+
+ACCESS_UNIT = UNIT.with_name("vllm-router-access.service")
+
+
+def test_access_unit_loads_the_table_before_the_router() -> None:
+    service = _service(ACCESS_UNIT.read_text(encoding="utf-8"))
+    assert _one(service, "Type") == "oneshot"
+    assert _one(service, "RemainAfterExit") == "yes"
+    assert _one(service, "ExecStart") == "/usr/sbin/nft -f /etc/vllm-router/access.nft"
+    assert _one(service, "ExecReload") == _one(service, "ExecStart")
+    assert "ExecStop" not in service  # a stopped unit leaves the table: closed, not open
+
+
+@needs_systemd_analyze
+def test_access_unit_verify_is_silent(tmp_path: Path) -> None:
+    text = ACCESS_UNIT.read_text(encoding="utf-8")
+    stub = tmp_path / "nft"
+    stub.write_text("#!/bin/sh\nexit 0\n", encoding="utf-8")
+    stub.chmod(0o755)
+    copy = tmp_path / ACCESS_UNIT.name
+    copy.write_text(text.replace("/usr/sbin/nft ", f"{stub} "), "utf-8")
+    result = _analyze("verify", "--man=no", str(copy))
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
