@@ -1,4 +1,5 @@
-"""`llm-appliance` command line: serve, check-config, setup, keys, status, doctor, export.
+"""`llm-appliance` command line: serve, check-config, setup, keys, status, doctor, export,
+engines, models.
 
 Every command takes ``--config PATH``; a config problem ends any of them with exit 2 and
 every problem named, before anything is started. A file the user may not read is one
@@ -154,6 +155,14 @@ def build_parser() -> argparse.ArgumentParser:
     from appliance import export
 
     export.add_parser(sub, common)
+    from appliance import admin_cli
+
+    admin_cli.add_engines_parser(sub, common)
+    p = sub.add_parser(
+        "models", parents=[common], help="models: load or unload one on the running daemon"
+    )
+    models = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    admin_cli.add_model_admin_parsers(models, common)
     return parser
 
 
