@@ -205,13 +205,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "models",
         parents=[common],
-        help="models: whether one fits the GPUs; load or unload one on the running daemon",
+        help="models: pull, list, remove; whether one fits the GPUs; load or unload one",
     )
     models = p.add_subparsers(dest="action", required=True, metavar="ACTION")
     from appliance.fit.cli import add_fit_parser
 
     add_fit_parser(models, common)
     admin_cli.add_model_admin_parsers(models, common)
+    from appliance.models_store.cli import add_store_parsers
+
+    add_store_parsers(models, common)
     return parser
 
 
