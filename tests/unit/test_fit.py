@@ -129,6 +129,8 @@ def test_quantized_weights_estimated_near_their_files(model: str, published_byte
 
 
 def _folder(tmp: Path, model: str, files: dict[str, int]) -> Path:
+    """A copy of a fixture's config.json in ``tmp`` (a model folder only root and this
+    account could change, as check-config and doctor want), with sparse weight files."""
     folder = tmp / model
     folder.mkdir(parents=True)
     shutil.copy(DATA / model / "config.json", folder / "config.json")
@@ -365,7 +367,7 @@ def test_models_fit_cannot_judge_exits_1(
 
 
 def _coder_config(tmp_path: Path, extra: str = "") -> Path:
-    folder = DATA / "qwen2.5-coder-14b-instruct"
+    folder = _folder(tmp_path, "qwen2.5-coder-14b-instruct", {})
     config = tmp_path / "c.toml"
     config.write_text(
         f'[gateway]\nkeys_file = "{tmp_path / "keys.json"}"\n{extra}'
@@ -401,7 +403,7 @@ def test_check_config_with_gpu_memory_on_a_box_without_gpus(
 def test_check_config_says_nothing_of_fit_for_cpu_engines(
     two_4090s: FakeNvml, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    folder = DATA / "qwen2.5-coder-14b-instruct"
+    folder = _folder(tmp_path, "qwen2.5-coder-14b-instruct", {})
     config = tmp_path / "c.toml"
     config.write_text(f'[engine]\ndevice = "cpu"\nmodel = "{folder}"\nmax_model_len = 32768\n')
     assert main(["check-config", "--config", str(config)]) == 0
@@ -409,7 +411,7 @@ def test_check_config_says_nothing_of_fit_for_cpu_engines(
 
 
 def test_doctor_model_line_runs_the_fit_check(tmp_path: Path) -> None:
-    folder = DATA / "qwen2.5-coder-14b-instruct"
+    folder = _folder(tmp_path, "qwen2.5-coder-14b-instruct", {})
     for tp, status in ((1, "fail"), (2, "ok")):
         config = parse_config(
             {"models": [{"name": "coder", "model": str(folder), "gpus": [0, 1],
