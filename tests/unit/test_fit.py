@@ -133,7 +133,9 @@ def _folder(tmp: Path, model: str, files: dict[str, int]) -> Path:
     account could change, as check-config and doctor want), with sparse weight files."""
     folder = tmp / model
     folder.mkdir(parents=True)
-    shutil.copy(DATA / model / "config.json", folder / "config.json")
+    folder.chmod(0o755)
+    shutil.copyfile(DATA / model / "config.json", folder / "config.json")
+    (folder / "config.json").chmod(0o644)  # whatever the checkout's modes are
     for name, size in files.items():
         with open(folder / name, "wb") as f:
             f.truncate(size)  # sparse: its size counts, no disk is used
