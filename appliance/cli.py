@@ -1,4 +1,5 @@
-"""`llm-appliance` command line: serve, check-config, setup, keys, status, doctor, export.
+"""`llm-appliance` command line: serve, check-config, setup, keys, status, doctor, export,
+engines, models.
 
 Every command takes ``--config PATH``; a config problem ends any of them with exit 2 and
 every problem named, before anything is started. A file the user may not read is one
@@ -97,15 +98,53 @@ def _check_files(config: Config) -> tuple[list[str], list[str]]:
     return keys[0] + sensors[0] + engines[0], keys[1] + sensors[1] + engines[1]
 
 
+def _fit_check(config: Config, gpu_memory: str | None) -> tuple[list[str], list[str]]:
+    """(problems, notes) of the fit check of every model the config serves on GPUs
+    (:mod:`appliance.fit`): against NVML's GPUs, or ``--gpu-memory`` for each GPU. Not
+    judged: a CPU config says nothing; no GPU here and no size given: one note when the
+    config means GPUs."""
+    from appliance import paths
+    from appliance.fit.check import check_config_models
+    from appliance.fit.cli import gpu_memory as find_gpu_memory
+    from appliance.fit.sources import FitSourceError
+
+    if config.engine.device == "cpu":
+        return [], []
+    try:
+        memory = find_gpu_memory(gpu_memory)
+    except FitSourceError as exc:
+        return [str(exc)], []
+    if not memory.known:
+        # device = "auto" on a box without GPUs runs on the CPU: nothing to say, unless
+        # the config means GPUs (device = "cuda", or a model given GPUs).
+        if config.engine.device == "auto" and not any(m.gpus for m in config.served):
+            return [], []
+        return [], [
+            "fit check skipped: no NVIDIA GPU here "
+            "(`check-config --gpu-memory 24GiB` checks the models for such GPUs)"
+        ]
+    problems, notes = [], []
+    for m in check_config_models(config, paths.appliance_home(), os.environ, memory):
+        if m.verdict is not None and m.verdict.fails:
+            problems.append(m.line())
+        elif m.verdict is None or m.verdict.fit is None:
+            notes.append(m.line())
+    return problems, notes
+
+
 def cmd_check_config(args: argparse.Namespace) -> int:
     config = _load(args)
     problems, file_warnings = _check_files(config)
+    fit_problems, fit_notes = _fit_check(config, getattr(args, "gpu_memory", None))
+    problems += fit_problems
     if problems:
         raise ConfigError(problems, config.source)
     print(config.summary())
     # On stderr: stdout stays the one-line summary that scripts read.
     for warning in [*config_warnings(config), *file_warnings]:
         print(f"llm-appliance: warning: {warning}", file=sys.stderr)
+    for note in fit_notes:
+        print(f"llm-appliance: note: {note}", file=sys.stderr)
     return 0
 
 
@@ -134,6 +173,12 @@ def build_parser() -> argparse.ArgumentParser:
         parents=[common],
         help="validate the config: a summary, or every problem and exit 2",
     )
+    p.add_argument(
+        "--gpu-memory",
+        metavar="SIZE",
+        help="check that each model fits GPUs of this size, e.g. 24GiB (default: the "
+        "GPUs NVML finds here; none: the fit check is skipped)",
+    )
     p.set_defaults(func=cmd_check_config)
 
     from appliance import setup as setup_mod
@@ -155,6 +200,22 @@ def build_parser() -> argparse.ArgumentParser:
     from appliance import export
 
     export.add_parser(sub, common)
+    from appliance import admin_cli
+
+    admin_cli.add_engines_parser(sub, common)
+    p = sub.add_parser(
+        "models",
+        parents=[common],
+        help="models: pull, list, remove; whether one fits the GPUs; load or unload one",
+    )
+    models = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    from appliance.fit.cli import add_fit_parser
+
+    add_fit_parser(models, common)
+    admin_cli.add_model_admin_parsers(models, common)
+    from appliance.models_store.cli import add_store_parsers
+
+    add_store_parsers(models, common)
     return parser
 
 

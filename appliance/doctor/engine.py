@@ -53,6 +53,9 @@ from appliance.doctor.venv_probe import (
     probe_venv,
     vllm_build,
 )
+from appliance.fit.check import GpuMemory, Settings, judge
+from appliance.fit.check import summary as fit_summary
+from appliance.fit.sources import FitSourceError, model_files
 
 __all__ = [
     "ENGINE_PROBE_TIMEOUT_S",
@@ -202,11 +205,14 @@ def check_models(
     env: Mapping[str, str],
     gpu_totals: Sequence[int] = (),
     under_unit: bool = False,
+    gpu_memory: Mapping[int, int] | None = None,
 ) -> list[Result]:
     """One line per model the config names (every ``[[models]]`` table's, each
     speculative draft): there, a model, readable by ``account``, changeable by trusted
-    accounts only, and its weights within the GPU budget. Without ``[[models]]`` the one
-    line is named ``model``; with them ``model NAME`` (``draft model NAME``)."""
+    accounts only, and (on GPU) whether its weights and one sequence of its context fit
+    each of its GPUs (:mod:`appliance.fit`; ``gpu_memory``: each GPU's memory by index,
+    else ``gpu_totals`` in order). Without ``[[models]]`` the one line is named
+    ``model``; with them ``model NAME`` (``draft model NAME``)."""
     named = named_models(config)
     if not named:
         return [na("model", "engine.command does not use {model}")]
@@ -216,8 +222,10 @@ def check_models(
     for n in named:
         line = "model" if not config.models else f"model {n.served}"
         line = f"draft {line}" if n.draft else line
-        where = _Where(line, n, by_name[n.served].engine.gpu_memory_utilization)
-        out.append(_check_one(where, home, device, account, eenv, gpu_totals, under_unit))
+        served = by_name[n.served]
+        memory = dict(gpu_memory) if gpu_memory is not None else dict(enumerate(gpu_totals))
+        where = _Where(line, n, served.engine.gpu_memory_utilization, Settings.of_model(served))
+        out.append(_check_one(where, home, device, account, eenv, gpu_totals, under_unit, memory))
     return out
 
 
@@ -230,6 +238,7 @@ def check_model(
     env: Mapping[str, str],
     gpu_totals: Sequence[int] = (),
     under_unit: bool = False,
+    gpu_memory: Mapping[int, int] | None = None,
 ) -> Result:
     """The first model's line (a config without ``[[models]]`` has one model)."""
     return check_models(
@@ -240,6 +249,7 @@ def check_model(
         env=env,
         gpu_totals=gpu_totals,
         under_unit=under_unit,
+        gpu_memory=gpu_memory,
     )[0]
 
 
@@ -248,6 +258,7 @@ class _Where:
     line: str  # the doctor line's name
     named: NamedModel
     gpu_memory_utilization: float
+    settings: Settings  # how its engines run it: the fit check's input
 
 
 def _check_one(
@@ -258,6 +269,7 @@ def _check_one(
     env: Mapping[str, str],
     gpu_totals: Sequence[int],
     under_unit: bool,
+    gpu_memory: Mapping[int, int],
 ) -> Result:
     located, label = locate_model(where.named, home, env)
     if located.path is None:
@@ -270,7 +282,7 @@ def _check_one(
     problem = _model_place_problem(where, located, label, device, account, under_unit)
     if problem is not None:
         return problem
-    return _model_fit(where, located.path, label, device, gpu_totals)
+    return _model_fit(where, located.path, label, device, gpu_totals, gpu_memory)
 
 
 def _model_place_problem(
@@ -313,24 +325,56 @@ def _model_place_problem(
 
 
 def _model_fit(
-    where: _Where, path: Path, named: str, device: str, gpu_totals: Sequence[int]
+    where: _Where,
+    path: Path,
+    named: str,
+    device: str,
+    gpu_totals: Sequence[int],
+    gpu_memory: Mapping[int, int],
 ) -> Result:
-    """The line for the model's size, and on CUDA whether its weights fit the GPU budget
-    (a draft model's shares its model's budget: said, not judged)."""
+    """The line for the model's size, and on CUDA whether its weights and one sequence of
+    its context fit each of its GPUs (the fit check of ``models fit``; a draft model
+    shares its model's budget: said, not judged). A config.json the estimate cannot read
+    falls back to the weights against the budget."""
     size = model_size(path)
     detail = f"{named}: {path}, {gib(size)} on disk"
     data: dict[str, Any] = {"path": str(path), "size_bytes": size}
-    if device == "cuda" and gpu_totals and not where.named.draft:
-        util = where.gpu_memory_utilization
-        budget = min(gpu_totals) * util
-        data["gpu_budget_bytes"] = int(budget)
-        detail += f", GPU budget {gib(budget)} ({gib(min(gpu_totals))} × {util:g})"
-        if size >= budget:
-            return fail(
-                where.line,
-                detail + ": the weights alone do not fit",
-                "use a smaller or quantized model, or raise engine.gpu_memory_utilization",
-                **data,
-            )
-        detail += f", {gib(budget - size)} left for the KV cache"
+    if where.named.draft:
+        return ok(where.line, detail, **data)
+    if device != "cuda":
+        return ok(where.line, detail + "; fit check skipped: the engines run on the CPU", **data)
+    if not gpu_memory:
+        return ok(where.line, detail + "; fit check skipped: no GPU memory figures", **data)
+    try:
+        files = model_files(path)
+    except FitSourceError:
+        return _weights_fit(where, detail, data, gpu_totals or list(gpu_memory.values()))
+    verdict = judge(files, where.settings, GpuMemory(found=gpu_memory))
+    detail += f"; {fit_summary(verdict)}"
+    if verdict.fit is not None:
+        w = verdict.fit.worst
+        data |= {"gpu_budget_bytes": w.budget, "kv_cache_tokens": w.kv_tokens}
+        if not verdict.fit.fits:
+            fix = "; or ".join(verdict.fit.suggestions)
+            return fail(where.line, detail, f"{fix} (`llm-appliance models fit`)", **data)
+    return ok(where.line, detail, **data)
+
+
+def _weights_fit(
+    where: _Where, detail: str, data: dict[str, Any], gpu_totals: Sequence[int]
+) -> Result:
+    """The weights on disk against the smallest GPU's budget (no shape to estimate from)."""
+    size = int(data["size_bytes"])
+    util = where.gpu_memory_utilization
+    budget = min(gpu_totals) * util
+    data["gpu_budget_bytes"] = int(budget)
+    detail += f", GPU budget {gib(budget)} ({gib(min(gpu_totals))} × {util:g})"
+    if size >= budget:
+        return fail(
+            where.line,
+            detail + ": the weights alone do not fit",
+            "use a smaller or quantized model, or raise engine.gpu_memory_utilization",
+            **data,
+        )
+    detail += f", {gib(budget - size)} left for the KV cache"
     return ok(where.line, detail, **data)

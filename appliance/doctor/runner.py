@@ -121,6 +121,7 @@ def _engine_checks(
     env: Mapping[str, str],
     under_unit: bool,
     probes: Probes,
+    gpu_memory: Mapping[int, int] | None = None,
 ) -> list[Result]:
     engine_env = {**env, **config.engine.env}
     results = [
@@ -139,6 +140,7 @@ def _engine_checks(
             env=env,
             gpu_totals=gpu_totals,
             under_unit=under_unit,
+            gpu_memory=gpu_memory,
         ),
         check_caches(config, env),
     ]
@@ -221,6 +223,7 @@ def run_checks(
             device=device,
             gpus=gpus,
             gpu_totals=gpu_memory_totals(nv, gpus),
+            gpu_memory={g.index: g.memory_total for g in nv.gpus if g.memory_total},
             account=account,
             env=env,
             under_unit=under_unit,

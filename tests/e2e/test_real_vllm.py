@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import json
 import os
 import re
 import signal
@@ -22,7 +24,9 @@ import openai
 import psutil
 import pytest
 
-from tests.e2e.conftest import RUN_MARKER, RealAppliance
+from appliance import paths
+from appliance.fit.estimate import GIB, shape_from_config
+from tests.e2e.conftest import RUN_MARKER, RealAppliance, real_home
 from tests.fakes.appliance_proc import CLI, REPO, get_json
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
@@ -131,6 +135,27 @@ def test_serve_reaches_ready_with_both_engines(appliance: RealAppliance) -> None
         tcp = [c for c in proc.net_connections("inet") if c.status == "LISTEN"]
         assert tcp == [], tcp
     print(f"\n[e2e] engines: {[(e['id'], e['listen'], e['pid']) for e in engines]}")
+
+
+def test_vllm_reports_the_kv_cache_the_fit_check_estimates(appliance: RealAppliance) -> None:
+    """The fit check's KV bytes per token (appliance/fit/estimate.py), from config.json
+    alone, against the KV cache real vLLM reports at start. On CPU its space is exactly
+    cpu_kvcache_space_gib (VLLM_CPU_KVCACHE_SPACE), so the tokens it holds are that space
+    over the bytes per token, in whole 16-token blocks."""
+    model = paths.packaged_model(real_home()) / "config.json"
+    shape = shape_from_config(json.loads(model.read_text()))
+    dtype = appliance.status()["cpu_dtype"]["dtype"]  # the engines' --dtype: the KV's too
+    per_token = dataclasses.replace(shape, dtype=dtype).kv_bytes_per_token()
+    space = int(appliance.app.config["engine"]["cpu_kvcache_space_gib"] * GIB)
+    expected = space // per_token // 16 * 16
+    reported = {
+        int(m.group(1)): int(m.group(2).replace(",", ""))
+        for m in re.finditer(
+            r"\[engine(\d+)\].*KV cache size: ([\d,]+) tokens", appliance.app.log()
+        )
+    }
+    assert reported == {0: expected, 1: expected}, (reported, per_token, dtype)
+    print(f"\n[e2e] KV cache: {per_token} B/token ({dtype}), {expected:,} tokens per GiB")
 
 
 def test_openai_client_chat_stream_completions_models(appliance: RealAppliance) -> None:
