@@ -153,6 +153,9 @@ class TelemetryConfig:
     interval_s: float = _f(1.0, "How often GPUs are read.", lo=0.05, hi=3600, live=True)
 
 
+Governor = Literal["predictive", "stepped"]
+
+
 @dataclass(frozen=True)
 class ThermalConfig:
     soft_limit_c: float = _f(
@@ -170,6 +173,17 @@ class ThermalConfig:
         "A throttle level drops only below its limit minus this.",
         lo=0,
         hi=30,
+        live=True,
+    )
+    governor: Governor = _f(
+        "predictive",
+        "How a GPU's temperature becomes its throttle level (same levels and budgets "
+        "either way). `predictive`: acts on the temperature's trend 2 °C before each "
+        "threshold and holds a level at least 600 s before stepping down while near "
+        "the band, so a hot room stays below soft_limit_c with few level changes. "
+        "`stepped`: acts at the thresholds themselves, a slowdown reason adds a level, "
+        "down one step per reading below a level's threshold minus hysteresis_c. "
+        "Compared on the heat simulator: docs/rehearse-heat.md.",
         live=True,
     )
     heat_restart_after_s: float = _f(

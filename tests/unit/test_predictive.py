@@ -1,0 +1,152 @@
+"""The predictive thermal governor: tables of (state, reading, time) -> level.
+
+Defaults (80 / 87 / 5, margin 2, horizon 30 s, hold 600 s): with no trend it takes the
+stepped levels 2 °C early, i.e. level 1 at 78, 2 at 80.33, 3 at 82.67, HARD at 87 (the
+reading itself). Leaving a level needs the reading + 2 below its entry minus 5: 73,
+75.33, 77.67 °C for levels 1, 2, 3, and 80 for HARD (as stepped: 87 - 5 - 2).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import pytest
+
+from appliance.policy.predictive import (
+    PredictiveState,
+    PredictiveTuning,
+    govern_predictive,
+)
+from appliance.policy.thermal import HARD_LEVEL, ThermalPolicy
+
+P = ThermalPolicy(soft_limit_c=80.0, hard_limit_c=87.0, hysteresis_c=5.0)
+T = PredictiveTuning()
+NO: tuple[str, ...] = ()
+LONG_AGO = -1000.0  # a level held longer than the hold
+
+
+def level_after(
+    temperature: float | None,
+    previous: int = 0,
+    since: float = LONG_AGO,
+    last_c: float | None = None,
+    trend: float = 0.0,
+    reasons: tuple[str, ...] = NO,
+    now: float = 0.0,
+) -> int:
+    state = PredictiveState(previous, since, last_c, None if last_c is None else now - 1, trend)
+    return govern_predictive(state, temperature, reasons, now, P).level
+
+
+def test_default_tuning() -> None:
+    assert (T.horizon_s, T.margin_c, T.hold_s) == (30.0, 2.0, 600.0)
+
+
+@pytest.mark.parametrize(
+    ("temperature", "expected"),
+    [
+        (50.0, 0),
+        (77.99, 0),
+        (78.0, 1),  # 2 °C before soft
+        (80.33, 1),
+        (80.34, 2),
+        (82.67, 3),
+        (86.99, 3),  # a prediction never reaches HARD: only the reading does
+        (87.0, HARD_LEVEL),
+        (95.0, HARD_LEVEL),
+    ],
+)
+def test_steady_reading_takes_the_stepped_level_two_degrees_early(
+    temperature: float, expected: int
+) -> None:
+    assert level_after(temperature) == expected
+
+
+@pytest.mark.parametrize(
+    ("temperature", "last_c", "expected"),
+    [
+        # one reading 1 s earlier; trend = 0.3 x the rate; ahead = T + 30 x trend + 2
+        (75.0, 75.0, 0),  # flat: 77
+        (70.0, 69.0, 1),  # 70 + 9 + 2 = 81: level 1 while the reading is 70
+        (75.0, 74.0, 3),  # 75 + 9 + 2 = 86: level 3
+        (75.0, 76.0, 0),  # falling: the trend counts 0
+    ],
+)
+def test_a_rising_trend_acts_before_the_reading_gets_there(
+    temperature: float, last_c: float, expected: int
+) -> None:
+    assert level_after(temperature, last_c=last_c) == expected
+
+
+def test_trend_is_smoothed_between_readings() -> None:
+    state = PredictiveState()
+    for second, temp in enumerate([60.0, 61.0, 62.0]):
+        state = govern_predictive(state, temp, NO, float(second), P)
+    # rates 1, 1 °C/s: 0 -> 0.3 -> 0.51
+    assert state.trend_c_per_s == pytest.approx(0.51)
+    assert (state.last_c, state.last_s) == (62.0, 2.0)
+
+
+@pytest.mark.parametrize(
+    ("previous", "temperature", "since", "trend", "expected"),
+    [
+        (1, 72.9, 0.0, 0.0, 0),  # clearly cool (72.9 + 2 < 75): down at once, no hold
+        (1, 73.0, LONG_AGO, 0.0, 1),  # 73 + 2 = 75: not below 80 - 5
+        (1, 72.99, LONG_AGO, 0.0, 0),
+        (2, 75.0, 0.0, 0.0, 2),  # near the band, held 0 s of 600: stays
+        (2, 75.0, -599.0, 0.0, 2),
+        (2, 75.0, -600.0, 0.0, 1),  # held 600 s: one step
+        (2, 75.0, LONG_AGO, 0.01, 2),  # still rising: stays
+        (2, 75.4, LONG_AGO, 0.0, 2),  # 77.4 is not below 82.33 - 5
+        (3, 77.6, LONG_AGO, 0.0, 2),
+        (HARD_LEVEL, 80.0, 0.0, 0.0, HARD_LEVEL),  # 82 is not below 87 - 5
+        (HARD_LEVEL, 79.9, 0.0, 0.0, 3),  # HARD is left without the hold
+        (3, 60.0, 0.0, 0.0, 2),  # cool: one step per reading, as stepped
+    ],
+)
+def test_down_needs_the_hold_near_the_band_and_steps_one(
+    previous: int, temperature: float, since: float, trend: float, expected: int
+) -> None:
+    assert level_after(temperature, previous, since=since, trend=trend) == expected
+
+
+@pytest.mark.parametrize(
+    ("temperature", "reasons", "previous", "expected"),
+    [
+        (50.0, ("hw_slowdown",), 0, 0),  # the driver's own lever: no admission cut
+        (77.9, ("sw_thermal_slowdown",), 0, 0),
+        (78.0, ("sw_thermal_slowdown",), 0, 1),  # near soft: at least level 1
+        (81.0, ("sw_thermal_slowdown",), 0, 2),  # no extra step on top of the reading's
+        (50.0, ("sw_power_cap",), 0, 0),
+        (None, ("hw_slowdown",), 0, 1),  # no temperature: the reason is all there is
+        (None, (), 3, 3),  # a missed reading never cools a GPU
+        (math.nan, (), 2, 2),
+    ],
+)
+def test_slowdown_reasons_and_unknown_temperatures(
+    temperature: float | None, reasons: tuple[str, ...], previous: int, expected: int
+) -> None:
+    assert level_after(temperature, previous, reasons=reasons) == expected
+
+
+def test_an_unknown_temperature_forgets_the_trend() -> None:
+    state = PredictiveState(1, 0.0, 70.0, 0.0, 0.5)
+    after = govern_predictive(state, None, NO, 1.0, P)
+    assert (after.level, after.since_s, after.last_c, after.trend_c_per_s) == (1, 0.0, None, 0)
+
+
+def run(temperatures: Sequence[float], every_s: float) -> list[int]:
+    state, out = PredictiveState(), []
+    for i, temp in enumerate(temperatures):
+        state = govern_predictive(state, temp, NO, i * every_s, P)
+        out.append(state.level)
+    return out
+
+
+def test_a_card_that_flips_between_two_levels_is_held() -> None:
+    # One reading every 120 s. Level 2 is taken at 120 s; the reading allows level 1
+    # again from 480 s (75 + 2 < 77.33), but the level is held until 600 s after it
+    # began (720 s).
+    temps = [79.0, 81.0, 79.0, 77.0, 75.0, 75.0, 75.0, 75.0, 75.0]
+    assert run(temps, 120.0) == [1, 2, 2, 2, 2, 2, 1, 1, 1]
