@@ -378,10 +378,11 @@ def simulate(
         # 2. the governor reads every GPU (its reasons are the last step's).
         for g in cards:
             old = g.level
+            reading = float(round(g.temp_c))  # NVML reports whole degrees
             if policy.governor == "stepped":
-                g.level = govern(g.temp_c, g.reasons, g.level, th)
+                g.level = govern(reading, g.reasons, g.level, th)
             elif policy.governor == "predictive":
-                g.state = govern_predictive(g.state, g.temp_c, g.reasons, now, th, policy.tuning)
+                g.state = govern_predictive(g.state, reading, g.reasons, now, th, policy.tuning)
                 g.level = g.state.level
             if policy.dynamic_limit:
                 _steer_limit(g, th, policy.tuning, card)

@@ -12,10 +12,12 @@ the next flips between the two every minute or two.
 A pure function of the previous `PredictiveState`, one reading and the time (passed in,
 monotonic seconds); every rule is a row in ``tests/unit/test_predictive.py``:
 
-- **Trend.** The temperature's rate of change (°C/s) is smoothed between readings
-  (`TREND_SMOOTHING`); the *predicted* temperature is the reading plus ``horizon_s``
-  times the rising part of that trend. A GPU heating towards the soft limit is acted on
-  before it gets there.
+- **Trend.** The temperature's rate of change (°C/s), taken over at least
+  `TREND_BASE_S` (NVML reads whole degrees: a 1 °C step between readings 1 s apart is
+  not a GPU heating at 1 °C/s; on the simulator a per-reading rate made 130 level
+  changes an hour), smoothed (`TREND_SMOOTHING`); the *predicted* temperature is the
+  reading plus ``horizon_s`` times the rising part of that trend. A GPU heating
+  towards the soft limit is acted on before it gets there.
 - **Up at once, early.** The level taken is the stepped governor's level for the
   predicted temperature plus ``margin_c`` (so, at the defaults, 2 °C before each of the
   stepped thresholds), if that is above the present level. At ``hard_limit_c`` (the
@@ -32,7 +34,7 @@ monotonic seconds); every rule is a row in ``tests/unit/test_predictive.py``:
   reading, as with the stepped governor, so a GPU that cooled gets its budget back in
   a few readings.
 - **Unknown temperature** keeps the level (a missed reading never cools a GPU), and the
-  trend is forgotten (the next two readings rebuild it).
+  trend is forgotten (rebuilt over the next `TREND_BASE_S`).
 """
 
 from __future__ import annotations
@@ -50,6 +52,9 @@ from appliance.policy.thermal import (
 )
 
 TREND_SMOOTHING = 0.3  # weight of the newest rate in the smoothed trend
+# The rate is taken over at least this long: NVML reads whole degrees, and a 1 °C step
+# between two readings 1 s apart is not a GPU heating at 1 °C/s.
+TREND_BASE_S = 30.0
 DEFAULT_HORIZON_S = 30.0
 DEFAULT_MARGIN_C = 2.0
 DEFAULT_HOLD_S = 600.0
@@ -70,7 +75,7 @@ class PredictiveState:
 
     level: int = 0
     since_s: float = -math.inf  # when ``level`` was taken (monotonic seconds)
-    last_c: float | None = None  # the previous reading
+    last_c: float | None = None  # the reading the next rate is taken from
     last_s: float | None = None  # when it was taken
     trend_c_per_s: float = 0.0  # smoothed rate of change
 
@@ -96,9 +101,13 @@ def govern_predictive(
         since = state.since_s if level == previous else now_s
         return PredictiveState(level, since)
     trend = state.trend_c_per_s
-    if state.last_c is not None and state.last_s is not None and now_s > state.last_s:
-        rate = (temperature_c - state.last_c) / (now_s - state.last_s)
+    last_c, last_s = state.last_c, state.last_s
+    if last_c is None or last_s is None:
+        last_c, last_s = temperature_c, now_s
+    elif now_s - last_s >= TREND_BASE_S:
+        rate = (temperature_c - last_c) / (now_s - last_s)
         trend += TREND_SMOOTHING * (rate - trend)
+        last_c, last_s = temperature_c, now_s
     ahead = predicted_c(temperature_c, trend, tuning) + tuning.margin_c
     if temperature_c >= policy.hard_limit_c:
         wanted = HARD_LEVEL
@@ -123,4 +132,4 @@ def govern_predictive(
     ):
         level = previous - 1
     since = state.since_s if level == previous else now_s
-    return PredictiveState(level, since, temperature_c, now_s, trend)
+    return PredictiveState(level, since, last_c, last_s, trend)

@@ -35,7 +35,8 @@ def level_after(
     reasons: tuple[str, ...] = NO,
     now: float = 0.0,
 ) -> int:
-    state = PredictiveState(previous, since, last_c, None if last_c is None else now - 1, trend)
+    # ``last_c``: a reading TREND_BASE_S (30 s) ago, so this reading takes a new rate.
+    state = PredictiveState(previous, since, last_c, None if last_c is None else now - 30, trend)
     return govern_predictive(state, temperature, reasons, now, P).level
 
 
@@ -66,11 +67,11 @@ def test_steady_reading_takes_the_stepped_level_two_degrees_early(
 @pytest.mark.parametrize(
     ("temperature", "last_c", "expected"),
     [
-        # one reading 1 s earlier; trend = 0.3 x the rate; ahead = T + 30 x trend + 2
-        (75.0, 75.0, 0),  # flat: 77
-        (70.0, 69.0, 1),  # 70 + 9 + 2 = 81: level 1 while the reading is 70
-        (75.0, 74.0, 3),  # 75 + 9 + 2 = 86: level 3
-        (75.0, 76.0, 0),  # falling: the trend counts 0
+        # a reading 30 s earlier; trend = 0.3 x the rate; ahead = T + 30 x trend + 2
+        (75.5, 75.5, 0),  # flat: 77.5
+        (75.5, 65.5, 1),  # 1/3 °C/s: 75.5 + 3 + 2 = 80.5, level 1 (flat: 0)
+        (79.0, 69.0, 2),  # 79 + 3 + 2 = 84: level 2 (flat: 1)
+        (77.0, 87.0, 0),  # falling: the trend counts 0
     ],
 )
 def test_a_rising_trend_acts_before_the_reading_gets_there(
@@ -79,13 +80,23 @@ def test_a_rising_trend_acts_before_the_reading_gets_there(
     assert level_after(temperature, last_c=last_c) == expected
 
 
-def test_trend_is_smoothed_between_readings() -> None:
+def test_the_rate_is_taken_over_thirty_seconds_at_least() -> None:
     state = PredictiveState()
-    for second, temp in enumerate([60.0, 61.0, 62.0]):
+    seen = []
+    for second, temp in [(0, 60.0), (1, 61.0), (10, 63.0), (30, 69.0), (45, 70.0), (60, 78.0)]:
         state = govern_predictive(state, temp, NO, float(second), P)
-    # rates 1, 1 °C/s: 0 -> 0.3 -> 0.51
-    assert state.trend_c_per_s == pytest.approx(0.51)
-    assert (state.last_c, state.last_s) == (62.0, 2.0)
+        seen.append((state.last_c, round(state.trend_c_per_s, 3)))
+    # The 1 °C in 1 s is no rate; over 0..30 s: 0.3 °C/s -> 0.09; over 30..60: 0.3 again
+    # -> 0.09 + 0.3 * (0.3 - 0.09) = 0.153. Readings between keep the baseline.
+    assert seen == [
+        (60.0, 0.0),
+        (60.0, 0.0),
+        (60.0, 0.0),
+        (69.0, 0.09),
+        (69.0, 0.09),
+        (78.0, 0.153),
+    ]
+    assert state.last_s == 60.0
 
 
 @pytest.mark.parametrize(
