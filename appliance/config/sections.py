@@ -178,7 +178,7 @@ class ThermalConfig:
     governor: Governor = _f(
         "predictive",
         "How a GPU's temperature becomes its throttle level (same levels and budgets "
-        "either way). `predictive`: acts on the temperature's trend 2 °C before each "
+        "either way). `predictive`: acts on the temperature's trend 1 °C before each "
         "threshold and holds a level at least 600 s before stepping down while near "
         "the band, so a hot room stays below soft_limit_c with few level changes. "
         "`stepped`: acts at the thresholds themselves, a slowdown reason adds a level, "

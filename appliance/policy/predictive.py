@@ -19,13 +19,13 @@ monotonic seconds); every rule is a row in ``tests/unit/test_predictive.py``:
   reading plus ``horizon_s`` times the rising part of that trend. A GPU heating
   towards the soft limit is acted on before it gets there.
 - **Up at once, early.** The level taken is the stepped governor's level for the
-  predicted temperature plus ``margin_c`` (so, at the defaults, 2 °C before each of the
+  predicted temperature plus ``margin_c`` (so, at the defaults, 1 °C before each of the
   stepped thresholds), if that is above the present level. At ``hard_limit_c`` (the
   reading itself, not a prediction) the level is HARD, as with the stepped governor.
-- **Slowdown reasons** lift a GPU only to level 1 when it is at or above the soft
-  limit minus the margin, and a cool GPU not at all: the driver slowing its clocks *is*
-  the cheap lever (tokens fall far less than watts; see docs/performance.md), so it is
-  no reason on its own to cut admission, which costs tokens one for one.
+- **Slowdown reasons add nothing** while the temperature is known: the driver slowing
+  its clocks *is* the cheap lever (tokens fall far less than watts; see
+  docs/rehearse-heat.md), so it is no reason on its own to cut admission, which costs
+  tokens one for one. With no temperature, a reason lifts a GPU to level 1 at least.
 - **Down slowly.** One step down, only when the level has held ``hold_s``, the
   temperature is not rising, and the reading plus the margin is below the level's entry
   threshold minus ``hysteresis_c``. The hold is what caps level changes per hour. No
@@ -56,7 +56,7 @@ TREND_SMOOTHING = 0.3  # weight of the newest rate in the smoothed trend
 # between two readings 1 s apart is not a GPU heating at 1 °C/s.
 TREND_BASE_S = 30.0
 DEFAULT_HORIZON_S = 30.0
-DEFAULT_MARGIN_C = 2.0
+DEFAULT_MARGIN_C = 1.0
 DEFAULT_HOLD_S = 600.0
 
 
@@ -95,9 +95,8 @@ def govern_predictive(
 ) -> PredictiveState:
     """The GPU's state after this reading; its throttle level is ``.level``."""
     previous = min(max(state.level, 0), HARD_LEVEL)
-    slow = has_slowdown(throttle_reasons)
     if temperature_c is None or math.isnan(temperature_c):
-        level = max(previous, 1 if slow else 0)
+        level = max(previous, 1 if has_slowdown(throttle_reasons) else 0)
         since = state.since_s if level == previous else now_s
         return PredictiveState(level, since)
     trend = state.trend_c_per_s
@@ -113,8 +112,6 @@ def govern_predictive(
         wanted = HARD_LEVEL
     else:
         wanted = min(temperature_level(ahead, policy), HARD_LEVEL - 1)
-        if slow and temperature_c + tuning.margin_c >= policy.soft_limit_c:
-            wanted = max(wanted, 1)
     level = previous
     if wanted > previous:
         level = wanted

@@ -168,11 +168,11 @@ def test_soft_heat_lowers_the_budget_and_slowdown_reason_raises_it(tmp_path: Pat
 def test_predictive_governor_acts_early_and_a_cool_gpu_gets_its_budget_back(
     tmp_path: Path,
 ) -> None:
-    """The default governor: 2 °C before each stepped threshold; a slowdown reason adds
+    """The default governor: 1 °C before each stepped threshold; a slowdown reason adds
     no level on top of the temperature's; once clearly cool (below soft - hysteresis -
-    2) it steps down one level per reading, without the hold it keeps near the band."""
+    1) it steps down one level per reading, without the hold it keeps near the band."""
     sensors = tmp_path / "sensors.json"
-    write_sensors(sensors, [78.5])
+    write_sensors(sensors, [79])
     cfg = fake_engine_config(
         tmp_path, 1, telemetry={"source": f"file:{sensors}", "interval_s": 0.1}
     )
@@ -180,17 +180,17 @@ def test_predictive_governor_acts_early_and_a_cool_gpu_gets_its_budget_back(
         app.wait_ready()
         key = (tmp_path / "admin.key").read_text().strip()
         app.wait_for(
-            lambda: status(app, key)["gpus"][0]["throttle_level"] == 1, 5, "level 1 at 78.5C"
+            lambda: status(app, key)["gpus"][0]["throttle_level"] == 1, 5, "level 1 at 79C"
         )
-        write_sensors(sensors, [82], [["hw_thermal_slowdown"]])
+        write_sensors(sensors, [83], [["hw_thermal_slowdown"]])
         app.wait_for(
             lambda: status(app, key)["gpus"][0]["throttle_reasons"] == ["hw_thermal_slowdown"],
             5,
             "the slowdown reading",
         )
-        # 82 + 2 is in level 2's band; the reason adds nothing (stepped would say 3).
+        # 83 + 1 is in level 2's band; the reason adds nothing (stepped: 2 + 1 = 3).
         app.wait_for(
-            lambda: status(app, key)["gpus"][0]["throttle_level"] == 2, 5, "level 2 at 82C"
+            lambda: status(app, key)["gpus"][0]["throttle_level"] == 2, 5, "level 2 at 83C"
         )
         assert metric(app, key, 'appliance_throttle_level{gpu="0"}') == 2
         write_sensors(sensors, [60])

@@ -32,8 +32,8 @@ from tests.integration.test_heat_and_degradation import status, write_sensors
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2-135m-instruct"
-# Between soft (80) and hard (87): level 3 (the default predictive governor acts 2 °C
-# before each threshold: 84 + 2 >= 84.67); at or above a hard limit of 83: 4.
+# Between soft (80) and hard (87): level 3 (the default predictive governor acts 1 °C
+# before each threshold: 84 + 1 >= 84.67); at or above a hard limit of 83: 4.
 HOT_C = 84.0
 
 

@@ -1,9 +1,9 @@
 """The predictive thermal governor: tables of (state, reading, time) -> level.
 
-Defaults (80 / 87 / 5, margin 2, horizon 30 s, hold 600 s): with no trend it takes the
-stepped levels 2 °C early, i.e. level 1 at 78, 2 at 80.33, 3 at 82.67, HARD at 87 (the
-reading itself). Leaving a level needs the reading + 2 below its entry minus 5: 73,
-75.33, 77.67 °C for levels 1, 2, 3, and 80 for HARD (as stepped: 87 - 5 - 2).
+Defaults (80 / 87 / 5, margin 1, horizon 30 s, hold 600 s): with no trend it takes the
+stepped levels 1 °C early, i.e. level 1 at 79, 2 at 81.33, 3 at 83.67, HARD at 87 (the
+reading itself). Leaving a level needs the reading + 1 below its entry minus 5: 74,
+76.33, 78.67 °C for levels 1, 2, 3, and 81 for HARD.
 """
 
 from __future__ import annotations
@@ -41,24 +41,24 @@ def level_after(
 
 
 def test_default_tuning() -> None:
-    assert (T.horizon_s, T.margin_c, T.hold_s) == (30.0, 2.0, 600.0)
+    assert (T.horizon_s, T.margin_c, T.hold_s) == (30.0, 1.0, 600.0)
 
 
 @pytest.mark.parametrize(
     ("temperature", "expected"),
     [
         (50.0, 0),
-        (77.99, 0),
-        (78.0, 1),  # 2 °C before soft
-        (80.33, 1),
-        (80.34, 2),
-        (82.67, 3),
+        (78.99, 0),
+        (79.0, 1),  # 1 °C before soft
+        (81.33, 1),
+        (81.34, 2),
+        (83.67, 3),
         (86.99, 3),  # a prediction never reaches HARD: only the reading does
         (87.0, HARD_LEVEL),
         (95.0, HARD_LEVEL),
     ],
 )
-def test_steady_reading_takes_the_stepped_level_two_degrees_early(
+def test_steady_reading_takes_the_stepped_level_one_degree_early(
     temperature: float, expected: int
 ) -> None:
     assert level_after(temperature) == expected
@@ -67,10 +67,10 @@ def test_steady_reading_takes_the_stepped_level_two_degrees_early(
 @pytest.mark.parametrize(
     ("temperature", "last_c", "expected"),
     [
-        # a reading 30 s earlier; trend = 0.3 x the rate; ahead = T + 30 x trend + 2
-        (75.5, 75.5, 0),  # flat: 77.5
-        (75.5, 65.5, 1),  # 1/3 °C/s: 75.5 + 3 + 2 = 80.5, level 1 (flat: 0)
-        (79.0, 69.0, 2),  # 79 + 3 + 2 = 84: level 2 (flat: 1)
+        # a reading 30 s earlier; trend = 0.3 x the rate; ahead = T + 30 x trend + 1
+        (75.5, 75.5, 0),  # flat: 76.5
+        (76.5, 66.5, 1),  # 1/3 °C/s: 76.5 + 3 + 1 = 80.5, level 1 (flat: 0)
+        (79.0, 69.0, 2),  # 79 + 3 + 1 = 83: level 2 (flat: 1)
         (77.0, 87.0, 0),  # falling: the trend counts 0
     ],
 )
@@ -102,17 +102,17 @@ def test_the_rate_is_taken_over_thirty_seconds_at_least() -> None:
 @pytest.mark.parametrize(
     ("previous", "temperature", "since", "trend", "expected"),
     [
-        (1, 72.9, 0.0, 0.0, 0),  # clearly cool (72.9 + 2 < 75): down at once, no hold
-        (1, 73.0, LONG_AGO, 0.0, 1),  # 73 + 2 = 75: not below 80 - 5
-        (1, 72.99, LONG_AGO, 0.0, 0),
+        (1, 73.9, 0.0, 0.0, 0),  # clearly cool (73.9 + 1 < 75): down at once, no hold
+        (1, 74.0, LONG_AGO, 0.0, 1),  # 74 + 1 = 75: not below 80 - 5
+        (1, 73.99, LONG_AGO, 0.0, 0),
         (2, 75.0, 0.0, 0.0, 2),  # near the band, held 0 s of 600: stays
         (2, 75.0, -599.0, 0.0, 2),
         (2, 75.0, -600.0, 0.0, 1),  # held 600 s: one step
         (2, 75.0, LONG_AGO, 0.01, 2),  # still rising: stays
-        (2, 75.4, LONG_AGO, 0.0, 2),  # 77.4 is not below 82.33 - 5
-        (3, 77.6, LONG_AGO, 0.0, 2),
-        (HARD_LEVEL, 80.0, 0.0, 0.0, HARD_LEVEL),  # 82 is not below 87 - 5
-        (HARD_LEVEL, 79.9, 0.0, 0.0, 3),  # HARD is left without the hold
+        (2, 76.4, LONG_AGO, 0.0, 2),  # 77.4 is not below 82.33 - 5
+        (3, 78.6, LONG_AGO, 0.0, 2),
+        (HARD_LEVEL, 81.0, 0.0, 0.0, HARD_LEVEL),  # 82 is not below 87 - 5
+        (HARD_LEVEL, 80.9, 0.0, 0.0, 3),  # HARD is left without the hold
         (3, 60.0, 0.0, 0.0, 2),  # cool: one step per reading, as stepped
     ],
 )
@@ -126,9 +126,9 @@ def test_down_needs_the_hold_near_the_band_and_steps_one(
     ("temperature", "reasons", "previous", "expected"),
     [
         (50.0, ("hw_slowdown",), 0, 0),  # the driver's own lever: no admission cut
-        (77.9, ("sw_thermal_slowdown",), 0, 0),
-        (78.0, ("sw_thermal_slowdown",), 0, 1),  # near soft: at least level 1
-        (81.0, ("sw_thermal_slowdown",), 0, 2),  # no extra step on top of the reading's
+        (78.9, ("sw_thermal_slowdown",), 0, 0),
+        (79.0, ("hw_thermal_slowdown",), 0, 1),  # the temperature's level, no more
+        (82.0, ("sw_thermal_slowdown",), 0, 2),  # (stepped: 1 + 1 at 82)
         (50.0, ("sw_power_cap",), 0, 0),
         (None, ("hw_slowdown",), 0, 1),  # no temperature: the reason is all there is
         (None, (), 3, 3),  # a missed reading never cools a GPU
@@ -157,7 +157,7 @@ def run(temperatures: Sequence[float], every_s: float) -> list[int]:
 
 def test_a_card_that_flips_between_two_levels_is_held() -> None:
     # One reading every 120 s. Level 2 is taken at 120 s; the reading allows level 1
-    # again from 480 s (75 + 2 < 77.33), but the level is held until 600 s after it
+    # again from 480 s (75 + 1 < 77.33), but the level is held until 600 s after it
     # began (720 s).
-    temps = [79.0, 81.0, 79.0, 77.0, 75.0, 75.0, 75.0, 75.0, 75.0]
+    temps = [79.0, 82.0, 79.0, 77.0, 75.0, 75.0, 75.0, 75.0, 75.0]
     assert run(temps, 120.0) == [1, 2, 2, 2, 2, 2, 1, 1, 1]
