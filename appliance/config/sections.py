@@ -180,7 +180,8 @@ class ThermalConfig:
         "How a GPU's temperature becomes its throttle level (same levels and budgets "
         "either way). `predictive`: acts on the temperature's trend 1 °C before each "
         "threshold and holds a level at least 600 s before stepping down while near "
-        "the band, so a hot room stays below soft_limit_c with few level changes. "
+        "the band (simulated: 98 % less time above soft_limit_c in a hot room than no "
+        "governor, at most 4 level changes an hour). "
         "`stepped`: acts at the thresholds themselves, a slowdown reason adds a level, "
         "down one step per reading below a level's threshold minus hysteresis_c. "
         "Compared on the heat simulator: docs/rehearse-heat.md.",
