@@ -31,8 +31,9 @@ The model, per GPU, one step per telemetry reading (1 s):
   overstates what each watt saved cools, for every lever alike. ``τ = 90 s``: an
   assumption inside "tens of seconds to minutes" for an air-cooled card's core.
   The H200 preset (``--card h200``) is a second point, from this project's GPU check
-  on an H200: idle 37-41 °C, 52-59 °C at 276-400 W, i.e. ``R ≈ 0.055 °C/W`` in 33 °C
-  air.
+  on an H200: idle 37-41 °C at 78-127 W, 52-59 °C at 276-400 W. ``R = 0.055 °C/W`` in
+  33 °C air gives 37-40 °C idle and 55 °C at 400 W; at 276 W it says 48 °C (the check's
+  loads were seconds long, not steady states, so its low-power readings ran warm).
 - **Two cards, the upper one breathing the lower one's air**: the upper card's intake
   is the room plus ``0.0125 °C/W`` of the lower card's power (+4.9 °C at 390 W;
   an assumption in the range commonly reported for two stacked open-air cards).
