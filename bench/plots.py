@@ -8,6 +8,8 @@ and a path, and writes a PNG there:
 - :func:`vs_nginx`: the appliance and nginx on the same engine: CPU µs per chunk,
   TTFT added and throughput × direct, against concurrency;
 - :func:`heat_routing`: latency p50/p99 and throughput, heat-aware vs round-robin;
+- :func:`heat_sim`: the heat simulator's day, per room: the upper GPU's temperature,
+  the box's tokens/s and the upper GPU's throttle level under each policy;
 - :func:`restart_under_load` and :func:`soak`: a timeline of the run (requests per
   second by outcome, per-second p99 latency, each engine's state, restarts and the
   events the bench caused).
@@ -213,6 +215,62 @@ def heat_routing(result: dict[str, Any], path: Path) -> None:
         ax.grid(True, axis="y", alpha=0.3)
         ax.legend(fontsize=8)
     _save(fig, path)
+
+
+HEAT_SIM_POLICIES = {
+    "none": "tab:gray",
+    "stepped": "tab:orange",
+    "predictive": "tab:green",
+    "predictive+315W": "tab:blue",
+    "dynamic_limit": "tab:purple",
+}
+
+
+def heat_sim(result: dict[str, Any], path: Path) -> None:
+    """One column per room: the upper GPU's temperature (the soft limit dashed), the
+    box's tokens/s (10-minute means) and the upper GPU's throttle level, per policy."""
+    rooms = list(result["traces"])
+    fig = _figure(6 * len(rooms), 8)
+    axes = fig.subplots(3, len(rooms), sharex=True, squeeze=False, height_ratios=[2, 2, 1])
+    soft = float(result["model"]["thermal"]["soft_limit_c"])
+    gpus = sum(
+        1 for k in next(iter(result["traces"][rooms[0]].values()))["series"] if k.endswith("_c")
+    )
+    upper = f"gpu{gpus - 1}"
+    for col, room in enumerate(rooms):
+        temp_ax, tok_ax, lvl_ax = axes[0][col], axes[1][col], axes[2][col]
+        for name, color in HEAT_SIM_POLICIES.items():
+            row = result["traces"][room].get(name)
+            if row is None:
+                continue
+            series = row["series"]
+            hours = [m / 60 for m in series["minute"]]
+            temp_ax.plot(hours, series[f"{upper}_c"], color=color, lw=1, label=name)
+            mean = _window_mean(series["tokens_per_s"], 10)
+            tok_ax.plot(hours, mean, color=color, lw=1, label=name)
+            lvl_ax.step(hours, series[f"{upper}_level"], color=color, lw=1, where="post")
+        temp_ax.axhline(soft, color="tab:red", ls="--", lw=0.8)
+        air = result["model"]["rooms"][room]
+        temp_ax.set_title(f"{room} ({air:g} °C room): upper GPU ({upper})")
+        temp_ax.set_ylabel("°C")
+        tok_ax.set_ylabel("tokens/s (10-min mean)")
+        lvl_ax.set_ylabel("level")
+        lvl_ax.set_xlabel("hours into the day")
+        for ax in (temp_ax, tok_ax, lvl_ax):
+            ax.grid(True, alpha=0.3)
+        temp_ax.legend(fontsize=7, loc="lower right")
+    _save(fig, path)
+
+
+def _window_mean(values: Sequence[float], n: int) -> list[float]:
+    """Trailing mean over ``n`` samples (fewer at the start)."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= n:
+            total -= values[i - n]
+        out.append(total / min(i + 1, n))
+    return out
 
 
 # ---------------------------------------------------------------------------- timelines

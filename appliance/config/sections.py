@@ -182,6 +182,9 @@ class TelemetryConfig:
     interval_s: float = _f(1.0, "How often GPUs are read.", lo=0.05, hi=3600, live=True)
 
 
+Governor = Literal["predictive", "stepped"]
+
+
 @dataclass(frozen=True)
 class ThermalConfig:
     soft_limit_c: float = _f(
@@ -199,6 +202,18 @@ class ThermalConfig:
         "A throttle level drops only below its limit minus this.",
         lo=0,
         hi=30,
+        live=True,
+    )
+    governor: Governor = _f(
+        "predictive",
+        "How a GPU's temperature becomes its throttle level (same levels and budgets "
+        "either way). `predictive`: acts on the temperature's trend 1 °C before each "
+        "threshold and holds a level at least 600 s before stepping down while near "
+        "the band (simulated: 98 % less time above soft_limit_c in a hot room than no "
+        "governor, at most 4 level changes an hour). "
+        "`stepped`: acts at the thresholds themselves, a slowdown reason adds a level, "
+        "down one step per reading below a level's threshold minus hysteresis_c. "
+        "Compared on the heat simulator: docs/rehearse-heat.md.",
         live=True,
     )
     heat_restart_after_s: float = _f(

@@ -2,7 +2,9 @@
 
 - `routing.route(engine_loads, cost) -> engine id | None`: which engine takes a request.
 - `thermal.govern(temperature, reasons, previous_level, policy) -> level`: how much a
-  GPU may be given.
+  GPU may be given (the stepped governor); `predictive.govern_predictive(state,
+  temperature, reasons, now, policy) -> state`: the same levels, chosen early on the
+  trend and held (the default governor).
 - `degradation.assess(samples, baseline, policy, now) -> Verdict`: whether an engine
   should be drained and restarted.
 - `fallback.choose_fallback(primary_room, fallback_room, allowed) -> reason | None`:

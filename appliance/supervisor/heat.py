@@ -1,8 +1,10 @@
 """The heat loop: GPU readings, the thermal governor's levels, and heat restarts.
 
 Every ``telemetry.interval_s`` the source is read (in a thread: NVML blocks), each
-GPU's throttle level follows from its reading (:func:`appliance.policy.thermal.govern`),
-and each engine's level goes to the gateway, which admits less to a hot GPU. When
+GPU's throttle level follows from its reading through the governor ``[thermal] governor``
+names (:func:`appliance.policy.predictive.govern_predictive`, the default, or
+:func:`appliance.policy.thermal.govern`, the stepped one), and each engine's level goes
+to the gateway, which admits less to a hot GPU. When
 ``thermal.heat_restart_after_s`` is on, a GPU held at the hard limit that long
 (:func:`appliance.policy.thermal.sustained_heat`) gets a word to its engine's runner to
 restart with fewer batched tokens, and one cool for ``heat_restore_after_s`` a word to
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 
 from appliance.config import Config
 from appliance.control import GatewayLink, GpuStatus
+from appliance.policy.predictive import PredictiveState, govern_predictive
 from appliance.policy.thermal import ThermalPolicy, govern, sustained_heat
 from appliance.supervisor.commands import HeatRestart
 from appliance.supervisor.runner import EngineRunner
@@ -46,6 +49,8 @@ class HeatWatch:
         self.readings: dict[int, GpuReading] = {}  # telemetry index -> last reading
         self.levels: dict[int, int] = {}  # telemetry index -> throttle level
         self._runs: dict[int, LevelRun] = {}  # telemetry index -> its level since when
+        # telemetry index -> the predictive governor's memory (trend, when the level began)
+        self._predictive: dict[int, PredictiveState] = {}
         self._nudged = asyncio.Event()  # a reload: read again now, at the new interval
 
     def gpus(self) -> tuple[GpuStatus, ...]:
@@ -79,10 +84,22 @@ class HeatWatch:
 
     def govern(self, runners: Sequence[EngineRunner], link: GatewayLink, now: float) -> None:
         """Thermal governor: one level per GPU from its reading; the gateway admits less."""
-        policy = ThermalPolicy.from_config(self._config().thermal)
+        thermal = self._config().thermal
+        policy = ThermalPolicy.from_config(thermal)
         for index, reading in self.readings.items():
             old = self.levels.get(index, 0)
-            new = govern(reading.temperature_c, reading.throttle_reasons, old, policy)
+            if thermal.governor == "stepped":
+                new = govern(reading.temperature_c, reading.throttle_reasons, old, policy)
+            else:
+                # A switch from stepped (a reload) starts from the level in force.
+                state = self._predictive.get(index, PredictiveState(old, now))
+                if state.level != old:
+                    state = PredictiveState(old, now)
+                state = govern_predictive(
+                    state, reading.temperature_c, reading.throttle_reasons, now, policy
+                )
+                self._predictive[index] = state
+                new = state.level
             if new != old:
                 log.warning(
                     "gpu%d: throttle level %d -> %d (%s°C%s)",

@@ -140,10 +140,14 @@ def test_hot_gpu_gets_no_new_work_and_recovers_when_cool(tmp_path: Path) -> None
 
 
 def test_soft_heat_lowers_the_budget_and_slowdown_reason_raises_it(tmp_path: Path) -> None:
+    """The stepped governor (still selectable): its thresholds and its slowdown step."""
     sensors = tmp_path / "sensors.json"
     write_sensors(sensors, [82])
     cfg = fake_engine_config(
-        tmp_path, 1, telemetry={"source": f"file:{sensors}", "interval_s": 0.1}
+        tmp_path,
+        1,
+        telemetry={"source": f"file:{sensors}", "interval_s": 0.1},
+        thermal={"governor": "stepped"},
     )
     with run_appliance(tmp_path, cfg) as app:
         app.wait_ready()
@@ -159,6 +163,38 @@ def test_soft_heat_lowers_the_budget_and_slowdown_reason_raises_it(tmp_path: Pat
         )
         assert status(app, key)["gpus"][0]["throttle_reasons"] == ["hw_thermal_slowdown"]
         assert "gpu0" in app.log() and "throttle level" in app.log()
+
+
+def test_predictive_governor_acts_early_and_a_cool_gpu_gets_its_budget_back(
+    tmp_path: Path,
+) -> None:
+    """The default governor: 1 °C before each stepped threshold; a slowdown reason adds
+    no level on top of the temperature's; once clearly cool (below soft - hysteresis -
+    1) it steps down one level per reading, without the hold it keeps near the band."""
+    sensors = tmp_path / "sensors.json"
+    write_sensors(sensors, [79])
+    cfg = fake_engine_config(
+        tmp_path, 1, telemetry={"source": f"file:{sensors}", "interval_s": 0.1}
+    )
+    with run_appliance(tmp_path, cfg) as app:
+        app.wait_ready()
+        key = (tmp_path / "admin.key").read_text().strip()
+        app.wait_for(
+            lambda: status(app, key)["gpus"][0]["throttle_level"] == 1, 5, "level 1 at 79C"
+        )
+        write_sensors(sensors, [83], [["hw_thermal_slowdown"]])
+        app.wait_for(
+            lambda: status(app, key)["gpus"][0]["throttle_reasons"] == ["hw_thermal_slowdown"],
+            5,
+            "the slowdown reading",
+        )
+        # 83 + 1 is in level 2's band; the reason adds nothing (stepped: 2 + 1 = 3).
+        app.wait_for(
+            lambda: status(app, key)["gpus"][0]["throttle_level"] == 2, 5, "level 2 at 83C"
+        )
+        assert metric(app, key, 'appliance_throttle_level{gpu="0"}') == 2
+        write_sensors(sensors, [60])
+        app.wait_for(lambda: status(app, key)["gpus"][0]["throttle_level"] == 0, 5, "cool: level 0")
 
 
 def test_preemption_storm_is_drained_and_restarted_with_zero_client_failures(

@@ -32,7 +32,9 @@ from tests.integration.test_heat_and_degradation import status, write_sensors
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2-135m-instruct"
-HOT_C = 84.0  # between soft (80) and hard (87): level 2; at or above a hard limit of 83: 4
+# Between soft (80) and hard (87): level 3 (the default predictive governor acts 1 °C
+# before each threshold: 84 + 1 >= 84.67); at or above a hard limit of 83: 4.
+HOT_C = 84.0
 
 
 def chat(app: Appliance, key: str, timeout: float = 10, **fields: Any) -> tuple[int, Any]:
@@ -86,7 +88,7 @@ def test_a_sighup_puts_new_limits_in_force(tmp_path: Path) -> None:
         pid = app.engine_stats(0)["pid"]  # type: ignore[index]
         # Before: the running config's behaviour.
         assert metrics_status(app) == 401
-        app.wait_for(lambda: status(app, key)["engines"][0]["throttle_level"] == 2, 10, "level 2")
+        app.wait_for(lambda: status(app, key)["engines"][0]["throttle_level"] == 3, 10, "level 3")
         assert chat(app, key, n=2, max_tokens=1)[0] == 200
 
         cfg["gateway"].update(metrics_public=True, max_n=1, max_queue=4, queue_timeout_s=0.5)

@@ -102,3 +102,27 @@ def test_a_tensor_parallel_engine_is_as_hot_as_its_hottest_gpu() -> None:
     heat.govern([runner], link, now=1.0)  # type: ignore[list-item, arg-type]
     # Now GPU 0 is the hot one: the engine is still at the hard limit.
     assert link.levels == {0: HARD_LEVEL}
+
+
+def with_governor(config: Config, governor: str) -> Config:
+    return dataclasses.replace(
+        config, thermal=dataclasses.replace(config.thermal, governor=governor)
+    )
+
+
+def test_the_governor_is_the_one_thermal_governor_names() -> None:
+    config = Config()
+    heat = HeatWatch(CountingSource.__new__(CountingSource), lambda: config)
+    link = ThrottleLink()
+    runner = TensorParallelRunner()
+    heat.readings = {0: GpuReading(0, temperature_c=82.0), 1: GpuReading(1, temperature_c=50.0)}
+    heat.govern([runner], link, now=0.0)  # type: ignore[list-item, arg-type]
+    assert link.levels == {0: 2}  # predictive (the default): 1 °C early, 82 + 1 >= 82.33
+    config = with_governor(config, "stepped")  # a reload
+    heat.readings = {0: GpuReading(0, temperature_c=77.0), 1: GpuReading(1, temperature_c=50.0)}
+    heat.govern([runner], link, now=1.0)  # type: ignore[list-item, arg-type]
+    assert link.levels == {0: 1}  # stepped: 77 < 82.33 - 5, one step down per reading
+    config = with_governor(config, "predictive")
+    heat.govern([runner], link, now=2.0)  # type: ignore[list-item, arg-type]
+    # predictive from the level in force (1), just taken: held, 77 + 1 is not below 75
+    assert link.levels == {0: 1}
