@@ -46,7 +46,9 @@ COMMAND_WAIT_S = 10.0  # longest an admin request waits for an engine's runner t
 # the requests queued for it (at most 65 s more).
 ADAPTER_WAIT_S = 200.0
 _ENGINE_ID_RE = re.compile(r"[0-9]+")  # ASCII only: str.isdigit() takes "²" and "١"
-KEY_FIELDS = frozenset({"name", "scopes", "rpm", "tpm", "priority", "expires_days", "fallback"})
+KEY_FIELDS = frozenset(
+    {"name", "scopes", "rpm", "tpm", "priority", "expires_days", "fallback", "max_inflight"}
+)
 
 
 def _engine_json(gw: Gateway, e: EngineStatus, gpu: GpuStatus | None) -> dict[str, Any]:
@@ -338,6 +340,7 @@ class Admin:
                 body.get("priority", "interactive"),
                 body.get("expires_days"),
                 body.get("fallback"),
+                body.get("max_inflight"),
             )
         except KeySpecError as exc:
             raise GatewayError(400, str(exc), param=exc.field) from None
@@ -359,4 +362,5 @@ class Admin:
                 raise keys_file_error(exc) from None
             if not removed:
                 raise GatewayError(404, f"no key with id {key_id!r}", code="unknown_key")
+            self.gw.keys_changed()  # its open requests end now, not when they finish
         return web.json_response({"id": key_id, "revoked": True})

@@ -17,6 +17,12 @@ smaller ones pass until it has waited ``gateway.queue_aging_s``; then nobody of 
 passes it, so engines drain until it fits.
 All but waiting is synchronous: a release hands the slot on without a scheduling gap.
 
+Per key (docs/security.md): a key with ``max_inflight`` N has at most N requests in
+flight; beyond, they wait (never refused). While another key's request waits for a
+model, a key already holding ``gateway.key_token_share`` of that model's in-flight
+token budget takes no more (its requests wait; a key with nothing in flight always may),
+so one key cannot keep the others out. With nobody else waiting a key may use it all.
+
 Several models ([[models]]): a request names its model, and everything above happens
 among that model's engines only (:func:`appliance.gateway.models.candidates`), with that
 model's budgets (``config.engine_of(model)``). One model's full engines, or its aged
@@ -90,6 +96,9 @@ class Admission:
         self._on_reject = on_reject or (lambda reason: None)
         self._inflight: collections.Counter[int] = collections.Counter()
         self._tokens: collections.Counter[int] = collections.Counter()
+        # Per key id: requests in flight, and tokens in flight per (key, model).
+        self._key_inflight: collections.Counter[str] = collections.Counter()
+        self._key_tokens: collections.Counter[tuple[str, str | None]] = collections.Counter()
         self.throttle_level: dict[int, int] = {}  # engine id -> governor level
         self.kv_tripped: dict[int, bool] = {}  # engine id -> breaker open
         # TCP engines a relay connection found someone else on, until the supervisor's
@@ -104,6 +113,10 @@ class Admission:
 
     def inflight_tokens(self, engine_id: int) -> int:
         return self._tokens[engine_id]
+
+    def key_inflight(self, key: str) -> int:
+        """The requests of the key ``key`` (its id) holding a slot now."""
+        return self._key_inflight[key]
 
     @property
     def queue_depth(self) -> int:
@@ -194,35 +207,65 @@ class Admission:
         exclude: frozenset[int] = frozenset(),
         model: str | None = None,
         load_wait_s: float | None = None,
+        key: str | None = None,
+        key_cap: int = 0,
     ) -> int:
         """An engine id (one of ``model``'s) with a slot reserved for this request;
         release() it when done. ``load_wait_s``: the model is on demand (its
         load_timeout_s); while none of its engines serves (it is being loaded, or put
         away for another model of its slot: a swap) the request may wait that long in
-        all, instead of gateway.queue_timeout_s."""
+        all, instead of gateway.queue_timeout_s. ``key``: the key's id, counted per key;
+        ``key_cap``: its max_inflight (0: none), beyond which it waits."""
         self.check_cost(cost, model)
         if load_wait_s is None or self._serving(model) or self._failed(model):
             self._refuse_unless_open(exclude, model)  # every engine FAILED: no load to wait
         elif not self._accepting():
             raise self._closed()
         g = self._config().gateway
-        if not self._queued_for(model):
-            chosen = self._route(cost, session, exclude, model=model)
+        if not self._queued_for(model) and not self._capped(key, key_cap):
+            chosen = self._route(cost, session, exclude, model=model, key=key)
             if chosen is not None:
                 return chosen
         self._make_room_in_queue(batch, g.max_queue)
-        waiter = Waiter(cost, session, exclude, batch, self._clock(), model)
+        waiter = Waiter(cost, session, exclude, batch, self._clock(), model, key, key_cap)
         self._queue.add(waiter)
         self.kick()  # room may exist for it: waiters ahead may be waiting for more room
         return await self._wait_in_queue(waiter, g.queue_timeout_s, load_wait_s)
 
-    def try_acquire(self, cost: int, session: str | None, model: str) -> int | None:
+    def try_acquire(
+        self,
+        cost: int,
+        session: str | None,
+        model: str,
+        key: str | None = None,
+        key_cap: int = 0,
+    ) -> int | None:
         """An engine of ``model`` reserved for this request if one has room at once (and
-        nobody of that model waits), else None: no queueing, no refusal. The fallback's
-        first look (proxy.py); release() it like acquire()'s."""
-        if not self._accepting() or self._queued_for(model):
+        nobody of that model waits, and the key is under its cap), else None: no
+        queueing, no refusal. The fallback's first look (proxy.py); release() it like
+        acquire()'s."""
+        if not self._accepting() or self._queued_for(model) or self._capped(key, key_cap):
             return None
-        return self._route(cost, session, frozenset(), model=model)
+        return self._route(cost, session, frozenset(), model=model, key=key)
+
+    def _capped(self, key: str | None, cap: int) -> bool:
+        """The key has ``cap`` (its max_inflight) requests in flight already."""
+        return key is not None and cap > 0 and self._key_inflight[key] >= cap
+
+    def _key_blocked(self, w: Waiter, loads: list[EngineLoad], others_wait: bool) -> bool:
+        """The waiter's key may not take a slot now: it is at its max_inflight, or another
+        key's request waits for the model and this key already holds its share
+        (``gateway.key_token_share``) of the model's in-flight token budget. A key with
+        nothing in flight on the model is never held back by its share: it may run one
+        request whatever its size, as an idle engine takes any one (routing's rule 1)."""
+        if self._capped(w.key, w.key_cap):
+            return True
+        share = self._config().gateway.key_token_share
+        if w.key is None or share >= 1.0 or not others_wait:
+            return False
+        held = self._key_tokens[(w.key, w.model)]
+        budget = sum(x.token_budget for x in loads if x.accepting)
+        return held > 0 and held + w.cost > share * budget
 
     def fits(self, cost: int, model: str) -> bool:
         """Whether ``model``'s engines could ever take a request of ``cost`` (check_cost
@@ -326,7 +369,7 @@ class Admission:
                 and not waiter.future.cancelled()
                 and waiter.future.exception() is None
             ):
-                self.release(waiter.future.result(), waiter.cost)
+                self.release(waiter.future.result(), waiter.cost, waiter.key, waiter.model)
             raise
         finally:
             self._queue.forget(waiter)
@@ -354,9 +397,10 @@ class Admission:
         exclude: frozenset[int],
         loads: list[EngineLoad] | None = None,
         model: str | None = None,
+        key: str | None = None,
     ) -> int | None:
         """Reserve a slot on the engine of ``model`` routing picks; ``loads`` (that
-        model's) if the caller has them."""
+        model's) if the caller has them; counted for ``key`` (its id) too."""
         if loads is None:
             loads = self.loads(model)
         if exclude:
@@ -366,6 +410,9 @@ class Admission:
             return None
         self._inflight[chosen] += 1
         self._tokens[chosen] += cost
+        if key is not None:
+            self._key_inflight[key] += 1
+            self._key_tokens[(key, model)] += cost
         if session is not None:
             self._affinity[session] = chosen
             self._affinity.move_to_end(session)
@@ -373,9 +420,19 @@ class Admission:
                 self._affinity.popitem(last=False)
         return chosen
 
-    def release(self, engine_id: int, cost: int) -> None:
+    def release(
+        self, engine_id: int, cost: int, key: str | None = None, model: str | None = None
+    ) -> None:
+        """Give back a slot acquired for ``key`` on ``model`` (as acquire was told)."""
         self._inflight[engine_id] -= 1
         self._tokens[engine_id] -= cost
+        if key is not None:
+            self._key_inflight[key] -= 1
+            self._key_tokens[(key, model)] -= cost
+            if not self._key_inflight[key]:  # no entry left per key that ever came
+                del self._key_inflight[key]
+            if not self._key_tokens[(key, model)]:
+                del self._key_tokens[(key, model)]
         self.kick()
 
     def kick(self) -> None:
@@ -386,7 +443,8 @@ class Admission:
             self._clock(),
             self._config().gateway.queue_aging_s,
             self.loads,
-            lambda w, loads: self._route(w.cost, w.session, w.exclude, loads),
+            lambda w, loads: self._route(w.cost, w.session, w.exclude, loads, w.model, w.key),
+            self._key_blocked,
         )
 
     def fail_waiters(self, reason: str, message: str) -> None:

@@ -67,7 +67,7 @@ class Gateway:
         self.audit = audit or AuditLog(None)  # None: audit lines go to the journal only
         cfg = appliance.config.gateway
         self.keys = KeyStore(Path(cfg.keys_file), logger=log)
-        self.watcher = KeyWatcher(self.keys, logger=log)
+        self.watcher = KeyWatcher(self.keys, logger=log, on_change=self.keys_changed)
         self.metrics = GatewayMetrics()
         self.ratelimiter = RateLimiter()
         # Tokens per key id (usage.json beside the keys file; the metric on our registry).
@@ -124,6 +124,11 @@ class Gateway:
 
     def shutdown_begun(self) -> None:
         self.admission.fail_waiters("shutting_down", "the server is shutting down")
+
+    def keys_changed(self) -> None:
+        """Other keys are in force (a reload, a revoke): a revoked or expired key's open
+        requests end now (open_requests.py)."""
+        self.relay.keys_changed()
 
     def reload(self) -> None:
         self.watcher.reload_now()

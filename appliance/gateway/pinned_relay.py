@@ -79,18 +79,21 @@ class PinnedRelay:
         gw = self.gw
         others = frozenset(e.id for e in candidates(parsed.model, gw.appliance.engines()))
         queued = time.monotonic()
+        record = request["key"]
         got = await gw.admission.acquire(
             parsed.cost,
             batch=batch,
             session=parsed.session,
             exclude=others - {engine_id},
             model=parsed.model,
+            key=record.id,
+            key_cap=record.max_inflight,
         )
         gw.metrics.queue_wait.observe(time.monotonic() - queued)
         try:
             result = await self._try_on(request, got, path, parsed, started, method)
         finally:
-            gw.admission.release(got, parsed.cost)
+            gw.admission.release(got, parsed.cost, record.id, parsed.model)
         if isinstance(result, web.StreamResponse):
             return result
         raise engine_error(result)

@@ -52,6 +52,7 @@ from appliance.gateway.errors import GatewayError
 from appliance.gateway.failures import Attempt, EngineFailure, engine_error
 from appliance.gateway.fallback import REFUSE_HEADER, SERVED_BY, fallback_allowed
 from appliance.gateway.models import model_cards, resolve_named
+from appliance.gateway.open_requests import OpenRequests
 from appliance.gateway.pinned_relay import PinnedRelay
 from appliance.gateway.protocols import ROUTES, Route
 from appliance.gateway.protocols.tools import tools_refusal
@@ -75,6 +76,7 @@ class Relay:
         self.gw = gateway
         self._attempts: collections.defaultdict[int, set[Attempt]] = collections.defaultdict(set)
         self.pinned = PinnedRelay(gateway, self._relay, self._check_rate)
+        self.open = OpenRequests()  # per key: ended when the key is revoked
 
     def abandon(self, engine_id: int, why: str) -> int:
         """Give up on every request on an engine that stopped answering; how many.
@@ -119,6 +121,17 @@ class Relay:
         return handle
 
     async def _handle(self, request: web.Request, route: str, path: str) -> web.StreamResponse:
+        # Open until it ends: its key's revocation ends it (open_requests.py).
+        with self.open.held(request):
+            return await self._handle_open(request, route, path)
+
+    def keys_changed(self) -> None:
+        """The keys in force changed: end the open requests of keys no longer valid."""
+        ended = self.open.end_invalid(self.gw.keys.records)
+        if ended:
+            log.warning("ended %d open request(s) of revoked or expired keys", ended)
+
+    async def _handle_open(self, request: web.Request, route: str, path: str) -> web.StreamResponse:
         started = time.monotonic()
         record = request["key"]
         parsed, fallback = await self._parse(request, route)
@@ -203,7 +216,10 @@ class Relay:
         named as usual. One hop: the fallback's own fallback is never looked at."""
         gw = self.gw
         adm = gw.admission
-        own = adm.try_acquire(parsed.cost, parsed.session, parsed.model)
+        record = request["key"]
+        own = adm.try_acquire(
+            parsed.cost, parsed.session, parsed.model, record.id, record.max_inflight
+        )
         if own is not None:
             gw.fallbacks.served_own(parsed.model)
             return own, parsed
@@ -218,7 +234,9 @@ class Relay:
         )
         if reason is None:
             return None
-        engine_id = adm.try_acquire(other.cost, other.session, target.name)
+        engine_id = adm.try_acquire(
+            other.cost, other.session, target.name, record.id, record.max_inflight
+        )
         if engine_id is None:
             return None
         gw.fallbacks.fell_back(parsed.model, target.name, reason)
@@ -266,7 +284,7 @@ class Relay:
             try:
                 result = await self._relay(request, engine_id, path, parsed, started)
             finally:
-                gw.admission.release(engine_id, parsed.cost)
+                gw.admission.release(engine_id, parsed.cost, request["key"].id, parsed.model)
             if isinstance(result, web.StreamResponse):
                 return result
             # Failed before the first byte: try once more elsewhere.
@@ -304,6 +322,8 @@ class Relay:
                 exclude=tried,
                 model=parsed.model,
                 load_wait_s=request.get(LOAD_WAIT, {}).get(parsed.model),
+                key=request["key"].id,
+                key_cap=request["key"].max_inflight,
             )
         self.gw.metrics.queue_wait.observe(time.monotonic() - queued)
         return engine_id, parsed

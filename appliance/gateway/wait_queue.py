@@ -21,6 +21,9 @@ from appliance.policy.routing import EngineLoad
 
 # (waiter, its model's loads) -> the engine reserved for it, or None.
 Route = Callable[["Waiter", list[EngineLoad]], "int | None"]
+# (waiter, its model's loads, whether another key's request waits for its model) -> its
+# key may not take more now (its max_inflight, or its share of the model's tokens).
+Blocked = Callable[["Waiter", list[EngineLoad], bool], bool]
 
 
 @dataclass(slots=True)
@@ -31,6 +34,8 @@ class Waiter:
     batch: bool
     since: float
     model: str | None  # its model's canonical name (None: any engine)
+    key: str | None = None  # the id of the key it came with (None: not counted per key)
+    key_cap: int = 0  # that key's max_inflight (0: no cap)
     future: asyncio.Future[int] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
@@ -105,11 +110,37 @@ class WaitQueue:
         aging_s: float,
         loads_of: Callable[[str | None], list[EngineLoad]],
         reserve: Route,
+        blocked: Blocked = lambda w, loads, others: False,
     ) -> None:
-        """Hand free slots to the waiters that fit, interactive first."""
+        """Hand free slots to the waiters that fit, interactive first; a waiter whose
+        key is ``blocked`` is passed by (its key's own release serves it later) and never
+        holds the line for its model, however long it waited."""
         held: set[str | None] = set()  # models whose aged waiter holds the line
+        keys = _KeysWaiting(self.interactive, self.batch)
         for queue in (self.interactive, self.batch):
-            _serve(queue, now, aging_s, held, loads_of, reserve)  # an aged one holds batch too
+            # an aged one holds batch too
+            _serve(queue, now, aging_s, held, loads_of, reserve, blocked, keys)
+
+
+class _KeysWaiting:
+    """How many waiters of each (model, key) are left in this pass: whether another
+    key's request waits for a model, in O(1) as waiters are served."""
+
+    def __init__(self, *queues: collections.deque[Waiter]) -> None:
+        self.per_key: collections.Counter[tuple[str | None, str | None]] = collections.Counter()
+        self.per_model: collections.Counter[str | None] = collections.Counter()
+        for queue in queues:
+            for w in queue:
+                if not w.future.done():
+                    self.per_key[(w.model, w.key)] += 1
+                    self.per_model[w.model] += 1
+
+    def others(self, w: Waiter) -> bool:
+        return self.per_model[w.model] > self.per_key[(w.model, w.key)]
+
+    def served(self, w: Waiter) -> None:
+        self.per_key[(w.model, w.key)] -= 1
+        self.per_model[w.model] -= 1
 
 
 def _serve(
@@ -119,6 +150,8 @@ def _serve(
     held: set[str | None],
     loads_of: Callable[[str | None], list[EngineLoad]],
     reserve: Route,
+    blocked: Blocked,
+    keys: _KeysWaiting,
 ) -> None:
     """Serve the waiters of ``queue`` that fit; a model whose aged waiter did not fit
     is added to ``held``, and nobody of that model is served after it."""
@@ -141,6 +174,9 @@ def _serve(
                 full.add(model)
                 passed.append(waiter)
                 continue
+        if waiter.key is not None and blocked(waiter, model_loads, keys.others(waiter)):
+            passed.append(waiter)  # its key holds its share: not refused for room, no hold
+            continue
         chosen = None
         refused = refused_at.get(model)
         # Without an exclusion, a waiter no smaller than one refused just now is
@@ -149,6 +185,7 @@ def _serve(
             chosen = reserve(waiter, model_loads)
         if chosen is not None:
             waiter.future.set_result(chosen)
+            keys.served(waiter)
             del loads[model]  # that engine's load changed
             continue
         passed.append(waiter)

@@ -63,6 +63,8 @@ GOOD: list[tuple[str, Any, Any, dict[str, Any]]] = [
     ("gateway.max_prompts", 1, 1, {}),
     ("gateway.max_answer_bytes", 65536, 65536, {}),
     ("gateway.queue_aging_s", 0, 0.0, {}),
+    ("gateway.key_token_share", 1, 1.0, {}),
+    ("gateway.stall_timeout_s", 5, 5.0, {}),
     ("gateway.max_queue", 0, 0, {}),
     ("gateway.queue_timeout_s", 5, 5.0, {}),  # an int is fine where a number is wanted
     ("gateway.queue_timeout_s", 0.5, 0.5, {}),
@@ -159,6 +161,9 @@ BAD: list[Any] = [
     ("gateway.max_prompts", 0, "0", "must be >= 1"),
     ("gateway.max_answer_bytes", 65535, "65535", "must be >= 65536"),
     ("gateway.queue_aging_s", -1, "-1", "must be >= 0"),
+    ("gateway.key_token_share", 0, "0", "must be > 0 and <= 1"),
+    ("gateway.key_token_share", 1.5, "1.5", "must be > 0 and <= 1"),
+    ("gateway.stall_timeout_s", 0, "0", "must be > 0"),
     ("gateway.max_queue", -1, "-1", "must be >= 0"),
     ("gateway.queue_timeout_s", 0, "0", "must be > 0"),
     ("gateway.queue_timeout_s", "30s", '"30s"', "must be a number"),

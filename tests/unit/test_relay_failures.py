@@ -50,7 +50,7 @@ class _Admission:
     async def acquire(self, cost: int, **_: object) -> int:
         return 0
 
-    def release(self, engine_id: int, cost: int) -> None:
+    def release(self, engine_id: int, cost: int, *_: object) -> None:
         pass
 
 
@@ -92,7 +92,9 @@ async def relay_client(gw: FakeGateway) -> AsyncIterator[tuple[TestClient[Any, A
     relay = Relay(cast(Any, gw))
 
     async def chat(request: web.Request) -> web.StreamResponse:
-        request["key"] = SimpleNamespace(id="k", rpm=None, tpm=None, priority="interactive")
+        request["key"] = SimpleNamespace(
+            id="k", rpm=None, tpm=None, priority="interactive", max_inflight=0
+        )
         try:
             return await relay.chat(request)
         except GatewayError as err:
