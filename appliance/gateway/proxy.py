@@ -135,11 +135,13 @@ class Relay:
         started = time.monotonic()
         record = request["key"]
         parsed, fallback = await self._parse(request, route)
-        self._use_model(request, parsed.model)
         # before tpm: never charge what cannot run
         self.gw.admission.check_cost(parsed.cost, parsed.model)
         pinned = self.pinned.engine_for(parsed, record.id)
         self._check_rate(record, parsed.cost)
+        # Only a request that passed every check may make an on-demand model load: a
+        # refused one (400, 429) never does (issue 33 item 3).
+        self._use_model(request, parsed.model)
         batch = record.priority == "batch"
         if pinned is not None:
             return await self.pinned.relay(request, path, parsed, started, batch, pinned)
@@ -148,14 +150,27 @@ class Relay:
         return await self._relay_with_failover(request, path, parsed, started, batch)
 
     def _use_model(self, request: web.Request, model: str) -> None:
-        """Mark the model used; an on-demand model not loaded is asked for. A request
-        for an on-demand model waits up to its load_timeout_s while the model is not
-        serving, loaded or not when the request came: it may be put away for another
-        model of its slot while the request waits (Admission.acquire)."""
-        self.gw.model_door.use_model(model)
+        """Mark the model used (for its idle unload); an on-demand model not loaded is
+        then wanted for as long as this request waits in the queue for it, and no longer
+        (models_on_demand.py reads the queue). A request for an on-demand model waits up
+        to its load_timeout_s while the model is not serving, loaded or not when the
+        request came: it may be put away for another model of its slot while the request
+        waits (Admission.acquire). A load this request starts is counted to its key."""
+        door = self.gw.model_door
+        if door.use_model(model):
+            return
         served = self.gw.appliance.config.model(model)
-        if served is not None and served.on_demand:
-            request[LOAD_WAIT] = {model: served.load_timeout_s}
+        if served is None or not served.on_demand:
+            return
+        request[LOAD_WAIT] = {model: served.load_timeout_s}
+        if self.gw.admission.queued_since(model) is not None:
+            return  # somebody already waits for it: theirs is the load
+        state = next((m.state for m in door.models() if m.name == model), "")
+        if state in ("unloaded", "sleeping"):
+            how = "wake" if state == "sleeping" else "cold"
+            key_id = request["key"].id
+            self.gw.metrics.key_model_loads.labels(key_id, model, how).inc()
+            log.info("model %s: a %s load asked for by key %s", model, how, key_id)
 
     async def _parse(self, request: web.Request, route: str) -> tuple[ParsedRequest, str]:
         """The checked request, costed on the engines of the model it names (404 for no
