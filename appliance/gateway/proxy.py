@@ -157,13 +157,12 @@ class Relay:
         request came: it may be put away for another model of its slot while the request
         waits (Admission.acquire). A load this request starts is counted to its key."""
         door = self.gw.model_door
-        if door.use_model(model):
-            return
+        loaded = door.use_model(model)
         served = self.gw.appliance.config.model(model)
         if served is None or not served.on_demand:
             return
-        request[LOAD_WAIT] = {model: served.load_timeout_s}
-        if self.gw.admission.queued_since(model) is not None:
+        request[LOAD_WAIT] = {model: served.load_timeout_s}  # loaded now or not (above)
+        if loaded or self.gw.admission.queued_since(model) is not None:
             return  # somebody already waits for it: theirs is the load
         state = next((m.state for m in door.models() if m.name == model), "")
         if state in ("unloaded", "sleeping"):
