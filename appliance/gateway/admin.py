@@ -241,6 +241,7 @@ class Admin:
             if not result.ok:
                 entry.detail["message"] = result.message  # the supervisor's words
                 raise GatewayError(409, result.message, code="engine_busy")
+        self.gw.admission.drained.discard(eid)  # coming back by itself: requests wait
         return web.json_response({"id": eid, "action": "restart", "accepted": True}, status=202)
 
     async def drain(self, request: web.Request) -> web.Response:
@@ -252,6 +253,10 @@ class Admin:
             if not result.ok:
                 entry.detail["message"] = result.message
                 raise GatewayError(409, result.message, code="cannot_drain")
+        # Drained by an admin: its model's requests are refused at once while every one
+        # of its engines is (admission.py), those waiting too.
+        self.gw.admission.drained.add(eid)
+        self.gw.admission.refuse_failed()
         return web.json_response({"id": eid, "state": result.state.value})
 
     async def resume(self, request: web.Request) -> web.Response:
@@ -261,6 +266,7 @@ class Admin:
             if not result.ok:
                 entry.detail["message"] = result.message
                 raise GatewayError(409, result.message, code="cannot_resume")
+        self.gw.admission.drained.discard(eid)
         self.gw.admission.kick()
         return web.json_response({"id": eid, "state": result.state.value})
 

@@ -51,6 +51,9 @@ from appliance.policy.thermal import HARD_LEVEL, scale_budget
 KV_BREAKER_OPEN = 0.92
 KV_BREAKER_CLOSE = 0.85
 AFFINITY_SESSIONS = 4096
+# An engine that gave no answer at all (refused, no socket: it may have died a moment
+# ago) is out of routing this long, or until its status shows another process or state.
+UNANSWERED_S = 2.0
 
 
 # States from which an engine may serve soon: a request may wait for one of them.
@@ -62,6 +65,9 @@ MAY_SERVE_SOON = frozenset(
         EngineState.DRAINING,
         EngineState.EXITED,
         EngineState.SLEEPING,  # on demand: woken when its model is wanted
+        # Going down to be started again (a crash, a restart); one that ends FAILED has
+        # its waiters refused then (refuse_failed), and shutdown refuses everyone.
+        EngineState.STOPPING,
     }
 )
 
@@ -75,6 +81,8 @@ class EngineView(Protocol):
     def state(self) -> EngineState: ...
     @property
     def model(self) -> str: ...
+    @property
+    def pid(self) -> int | None: ...
 
 
 class Admission:
@@ -104,6 +112,11 @@ class Admission:
         # TCP engines a relay connection found someone else on, until the supervisor's
         # check (gateway/engine_owners.py).
         self.unverified: set[int] = set()
+        # Engines an admin drained (the admin API), until resumed or restarted: a model
+        # whose every engine is so is refused at once, not queued (admin.py keeps it).
+        self.drained: set[int] = set()
+        # Engines that gave a request no answer at all: (their pid then, until when).
+        self._unanswered: dict[int, tuple[int | None, float]] = {}
         self._queue = WaitQueue()
         self._affinity: collections.OrderedDict[str, int] = collections.OrderedDict()
 
@@ -148,6 +161,7 @@ class Admission:
                         and level < HARD_LEVEL
                         and not self.kv_tripped.get(snap.id, False)
                         and snap.id not in self.unverified
+                        and (not self._unanswered or self._answers(snap))
                     ),
                     inflight=self._inflight[snap.id],
                     outstanding_tokens=self._tokens[snap.id],
@@ -157,6 +171,26 @@ class Admission:
                 )
             )
         return out
+
+    def _answers(self, snap: EngineView) -> bool:
+        """Not marked by :meth:`unanswered`, or no longer: its mark ran out, or its status
+        shows another process or state (the supervisor noticed)."""
+        mark = self._unanswered.get(snap.id)
+        if mark is None:
+            return True
+        pid, until = mark
+        if pid != snap.pid or snap.state is not EngineState.READY or time.monotonic() >= until:
+            del self._unanswered[snap.id]
+            return True
+        return False
+
+    def unanswered(self, engine_id: int, pid: int | None) -> None:
+        """The engine (process ``pid``) gave a request no answer at all: it may have died a
+        moment before the supervisor noticed. Out of routing until its status changes,
+        for at most UNANSWERED_S, so a request that waits for it is not sent to the
+        dead socket again (and gets its 502) before the supervisor sees the exit."""
+        self._unanswered[engine_id] = (pid, time.monotonic() + UNANSWERED_S)
+        asyncio.get_running_loop().call_later(UNANSWERED_S, self.kick)
 
     # ---- inputs from the supervisor -------------------------------------------------
     def observe_kv(self, engine_id: int, usage: float | None) -> None:
@@ -217,6 +251,8 @@ class Admission:
         all, instead of gateway.queue_timeout_s. ``key``: the key's id, counted per key;
         ``key_cap``: its max_inflight (0: none), beyond which it waits."""
         self.check_cost(cost, model)
+        if self._drained_all(model, exclude):
+            raise self._drained_error(model)
         if load_wait_s is None or self._serving(model) or self._failed(model):
             self._refuse_unless_open(exclude, model)  # every engine FAILED: no load to wait
         elif not self._accepting():
@@ -316,10 +352,46 @@ class Admission:
         engines = candidates(model, self._engines())
         return bool(engines) and all(s.state is EngineState.FAILED for s in engines)
 
+    def _drained_all(self, model: str | None, exclude: frozenset[int] = frozenset()) -> bool:
+        """Every engine of ``model`` that could serve (but the excluded) is drained by an
+        admin: none takes a request until an admin resumes one."""
+        if not self.drained:
+            return False
+        open_ = [
+            s
+            for s in candidates(model, self._engines())
+            if s.state is not EngineState.FAILED and s.id not in exclude
+        ]
+        return bool(open_) and all(
+            s.state is EngineState.DRAINING and s.id in self.drained for s in open_
+        )
+
+    def _drained_error(self, model: str | None) -> GatewayError:
+        ids = sorted(
+            s.id for s in candidates(model, self._engines()) if s.id in self.drained
+        )
+        first = ids[0] if ids else 0
+        return self._reject(
+            503,
+            f"every engine{_of(model)} is drained by an admin (engine "
+            f"{', '.join(map(str, ids))}): it takes no requests until one is resumed "
+            f"(POST /admin/engines/{first}/resume, or `llm-appliance engines resume "
+            f"{first}`)",
+            "no_engine",
+            10,
+        )
+
     def refuse_failed(self) -> None:
-        """Refuse the waiters of a model whose every engine is FAILED now, not at their
-        timeout (an on-demand model's would wait for a load that cannot come)."""
-        self._queue.fail_models(self._failed, self._no_engine)
+        """Refuse the waiters of a model whose every engine is FAILED now, or drained by
+        an admin, not at their timeout (an on-demand model's would wait for a load that
+        cannot come)."""
+        if self.drained:  # forget engines no longer drained (resumed, restarted, exited)
+            states = {s.id: s.state for s in self._engines()}
+            self.drained = {i for i in self.drained if states.get(i) is EngineState.DRAINING}
+        self._queue.fail_models(
+            lambda m: self._failed(m) or self._drained_all(m),
+            lambda m: self._drained_error(m) if self._drained_all(m) else self._no_engine(m),
+        )
 
     def _make_room_in_queue(self, batch: bool, max_queue: int) -> None:
         """Refuse a waiter the queue has no room for, or shed the newest batch waiter

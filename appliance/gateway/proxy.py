@@ -291,7 +291,10 @@ class Relay:
         fallback model's, and the retry stays among that model's engines."""
         gw = self.gw
         tried: frozenset[int] = frozenset()
-        for attempt in (1, 2):
+        waited_back = False  # waited once for an engine that gave no answer at all
+        attempt = 0
+        while True:
+            attempt += 1
             engine_id, parsed = await self._admit(
                 request, parsed, batch, tried, fallback if attempt == 1 else ""
             )
@@ -302,8 +305,8 @@ class Relay:
             if isinstance(result, web.StreamResponse):
                 return result
             # Failed before the first byte: try once more elsewhere.
-            tried = tried | {engine_id}
-            if attempt == 1 and gw.has_other_engine(tried, parsed.model):
+            if attempt == 1 and gw.has_other_engine(tried | {engine_id}, parsed.model):
+                tried = tried | {engine_id}
                 gw.metrics.failovers.inc()
                 log.warning(
                     "engine%d failed before answering (%s); retrying on another engine",
@@ -311,8 +314,19 @@ class Relay:
                     result.reason,
                 )
                 continue
+            if result.unanswered and not waited_back:
+                # No other engine, and this one gave no answer at all: it may have died a
+                # moment before the supervisor noticed. Wait in the queue for it to be
+                # back (its restart), as a request that came a moment later would.
+                waited_back = True
+                gw.admission.unanswered(engine_id, gw.appliance.engine(engine_id).pid)
+                log.warning(
+                    "engine%d gave no answer (%s); the request waits for it to be back",
+                    engine_id,
+                    result.reason,
+                )
+                continue
             raise engine_error(result)
-        raise AssertionError("unreachable")
 
     async def _admit(
         self,

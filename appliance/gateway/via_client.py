@@ -99,7 +99,8 @@ async def _post(gw: Gateway, call: EngineCall) -> aiohttp.ClientResponse | Engin
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
         )
     except (aiohttp.ClientError, OSError) as exc:
-        return EngineFailure.of_client_error(exc)
+        # Before the response head: refused, no socket, or dropped unanswered.
+        return EngineFailure.of_client_error(exc, unanswered=True)
     except asyncio.CancelledError:
         failure = failure_if_abandoned(call.attempt)
         if failure is None:

@@ -74,7 +74,7 @@ async def _connect(pool: UpstreamPool, call: EngineCall) -> UpstreamConnection |
     try:
         return await pool.acquire(call.address)
     except UpstreamError as exc:
-        return EngineFailure.of_upstream(exc)
+        return EngineFailure.of_upstream(exc, unanswered=True)
     except asyncio.CancelledError:
         failure = failure_if_abandoned(call.attempt)
         if failure is None:
@@ -110,7 +110,9 @@ async def _until_first_chunk(
         # retried elsewhere without the client knowing.
         await conn.wait_first_chunk()
     except UpstreamError as exc:
-        return call.attempt.given_up or EngineFailure.of_upstream(exc)
+        # No head yet (call.meter.status 0): the engine gave no answer at all.
+        unanswered = call.meter.status == 0
+        return call.attempt.given_up or EngineFailure.of_upstream(exc, unanswered)
     return head
 
 

@@ -53,12 +53,15 @@ class _Admission:
     def release(self, engine_id: int, cost: int, *_: object) -> None:
         pass
 
+    def unanswered(self, engine_id: int, pid: int | None) -> None:
+        pass  # the engine stays: the retry finds it as dead, and the client gets 502
+
 
 class FakeGateway:
     """What the relay reads of its gateway, for one engine at ``address``."""
 
     def __init__(self, address: EngineAddress, session: Any = None) -> None:
-        status = SimpleNamespace(api_key="engine-key", address=address)
+        status = SimpleNamespace(api_key="engine-key", address=address, pid=None)
         # The relay's view of the appliance (appliance.control.ApplianceView), in part.
         self.appliance = SimpleNamespace(
             config=Config(engine=EngineConfig(served_model_name=MODEL)),
