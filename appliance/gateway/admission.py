@@ -95,8 +95,12 @@ class Admission:
         starting: Callable[[], bool] = lambda: False,
         on_reject: Callable[[str], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        heat_of: Callable[[Sequence[int]], str] = lambda ids: "",
     ) -> None:
         self._config = config
+        # The readings behind the engines' heat, in words ("GPU 0 at 91 °C"), for the
+        # 503 of a model held back by heat (the gateway reads the telemetry).
+        self._heat_of = heat_of
         self._clock = clock
         self._engines = engines
         self._accepting = accepting
@@ -447,6 +451,19 @@ class Admission:
             self._queue.forget(waiter)
 
     def _timed_out(self, waiter: Waiter, limit_s: float, loading: bool) -> GatewayError:
+        hot = self._all_too_hot(waiter.model)
+        if hot:
+            where = self._heat_of(hot)
+            limit = self._config().thermal.hard_limit_c
+            return self._reject(
+                503,
+                f"no engine{_of(waiter.model)} could take the request within {limit_s:g} s: "
+                f"{'its GPU is' if len(hot) == 1 else 'every one of its GPUs is'} at the "
+                f"hard thermal limit ({where + ', ' if where else ''}thermal.hard_limit_c = "
+                f"{limit:g} °C) and takes nothing new until it cools; retry later",
+                "gpu_too_hot",
+                10,
+            )
         if loading:
             return self._reject(
                 503,
@@ -461,6 +478,15 @@ class Admission:
             "queue_timeout",
             5,
         )
+
+    def _all_too_hot(self, model: str | None) -> list[int]:
+        """The engines of ``model`` that serve, when every one of them is held at the hard
+        thermal limit (else []): heat is then why nothing took the request."""
+        serving = (EngineState.READY, EngineState.SUSPECT)
+        engines = [s.id for s in candidates(model, self._engines()) if s.state in serving]
+        if engines and all(self.throttle_level.get(i, 0) >= HARD_LEVEL for i in engines):
+            return engines
+        return []
 
     def _route(
         self,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
+from collections.abc import Sequence
 from pathlib import Path
 
 import aiohttp
@@ -78,6 +79,7 @@ class Gateway:
             lambda: appliance.accepting,
             starting=lambda: appliance.starting,
             on_reject=lambda reason: self.metrics.rejections.labels(reason).inc(),
+            heat_of=self._heat_of,
         )
         self.metrics.attach(appliance, self.admission)
         self.metrics.attach_state_files(self.state_files)
@@ -135,6 +137,20 @@ class Gateway:
         self.ratelimiter.forget({r.id for r in self.keys.records})
 
     # ---- helpers for handlers ------------------------------------------------------------
+    def _heat_of(self, engine_ids: Sequence[int]) -> str:
+        """The temperatures of the engines' GPUs (on CPU: their telemetry entries), in
+        words, for a 503 about heat: read when one is refused, never per request."""
+        status = self.appliance.status()
+        said = []
+        for e in status.engines:
+            if e.id not in engine_ids:
+                continue
+            for index in e.telemetry_indexes:
+                gpu = status.gpu(index)
+                if gpu is not None and gpu.reading.temperature_c is not None:
+                    said.append(f"GPU {index} at {gpu.reading.temperature_c:g} °C")
+        return ", ".join(dict.fromkeys(said))
+
     def state_files(self) -> tuple[WriteHealth, ...]:
         """How the writes of each state file go (usage.json, audit.log, keys.json)."""
         return (self.usage.writes, self.audit.writes, self.keys.writes)
