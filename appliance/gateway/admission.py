@@ -371,9 +371,7 @@ class Admission:
         )
 
     def _drained_error(self, model: str | None) -> GatewayError:
-        ids = sorted(
-            s.id for s in candidates(model, self._engines()) if s.id in self.drained
-        )
+        ids = sorted(s.id for s in candidates(model, self._engines()) if s.id in self.drained)
         first = ids[0] if ids else 0
         return self._reject(
             503,
