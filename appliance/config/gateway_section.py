@@ -115,6 +115,17 @@ class GatewayConfig:
         lo_open=True,
         live=True,
     )
+    stored_responses_per_key: int = _f(
+        10000,
+        "Stored responses (Responses API, `store`) the gateway remembers per key, of the "
+        "100,000 it remembers in all: a key that stores more forgets its own least "
+        "recently made or used first, so one key cannot push out every other key's. A "
+        "forgotten one reads as 404; vLLM keeps it in the engine's memory until the "
+        "engine restarts.",
+        lo=1,
+        hi=100000,
+        live=True,
+    )
     metrics_public: bool = _f(
         False,
         "false: /metrics needs a key with scope `metrics` or "

@@ -39,7 +39,7 @@ class PinnedRelay:
 
     def __init__(self, gateway: Gateway, try_on: TryOn, check_rate: CheckRate) -> None:
         self.gw = gateway
-        self.stored = StoredResponses()
+        self.stored = StoredResponses(per_key=self._share)
         self._try_on = try_on
         self._check_rate = check_rate
 
@@ -49,6 +49,10 @@ class PinnedRelay:
         store = (config.engine_of(parsed.model).responses_store, bool(config.models))
         needs = parsed.state.needs if parsed.state is not None else None
         return self.stored.engine_for(needs, parsed.model, key_id, self._engine, store)
+
+    def _share(self) -> int:
+        """Each key's share of the stored-response map, as the running config says."""
+        return self.gw.appliance.config.gateway.stored_responses_per_key
 
     def _engine(self, engine_id: int) -> Any:
         try:

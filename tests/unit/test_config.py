@@ -65,6 +65,7 @@ GOOD: list[tuple[str, Any, Any, dict[str, Any]]] = [
     ("gateway.queue_aging_s", 0, 0.0, {}),
     ("gateway.key_token_share", 1, 1.0, {}),
     ("gateway.stall_timeout_s", 5, 5.0, {}),
+    ("gateway.stored_responses_per_key", 1, 1, {}),
     ("gateway.max_queue", 0, 0, {}),
     ("gateway.queue_timeout_s", 5, 5.0, {}),  # an int is fine where a number is wanted
     ("gateway.queue_timeout_s", 0.5, 0.5, {}),
@@ -164,6 +165,7 @@ BAD: list[Any] = [
     ("gateway.key_token_share", 0, "0", "must be > 0 and <= 1"),
     ("gateway.key_token_share", 1.5, "1.5", "must be > 0 and <= 1"),
     ("gateway.stall_timeout_s", 0, "0", "must be > 0"),
+    ("gateway.stored_responses_per_key", 0, "0", "must be >= 1 and <= 100000"),
     ("gateway.max_queue", -1, "-1", "must be >= 0"),
     ("gateway.queue_timeout_s", 0, "0", "must be > 0"),
     ("gateway.queue_timeout_s", "30s", '"30s"', "must be a number"),

@@ -329,6 +329,7 @@ DAEMON_ONLY: dict[str, str | None] = {
     "gateway.max_answer_bytes": None,
     "gateway.stall_timeout_s": None,
     "gateway.key_token_share": None,
+    "gateway.stored_responses_per_key": None,
     "engine.startup_timeout_s": None,
     "engine.stop_timeout_s": LIVE_RELOAD,
     "telemetry.interval_s": None,
