@@ -541,6 +541,7 @@ class Admission:
             self.loads,
             lambda w, loads: self._route(w.cost, w.session, w.exclude, loads, w.model, w.key),
             self._key_blocked,
+            self._key_inflight.__getitem__,
         )
 
     def fail_waiters(self, reason: str, message: str) -> None:

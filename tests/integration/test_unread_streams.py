@@ -192,3 +192,25 @@ def test_a_key_past_its_max_inflight_waits_while_others_pass(tmp_path: Path) -> 
             stream.close()  # its first one ends: the second runs
         status, body = second.result(timeout=30)
         assert status == 200, body
+
+
+def test_another_keys_request_goes_to_the_next_free_slot_not_behind_a_flood(
+    tmp_path: Path,
+) -> None:
+    """Issue 35 item 2: one key queues 20 requests of about 1 s on 4 slots; another key's
+    one request is served at the next free slot, while most of the flood still waits
+    (before: behind all of it, with the queue empty by then)."""
+    with (
+        daemon(tmp_path, engine={"max_inflight": 4}) as c,
+        concurrent.futures.ThreadPoolExecutor(21) as pool,
+    ):
+        flooder, _ = c.new_key()
+        other, _ = c.new_key()
+        c.app.engine_control(0, token_delay_ms=50)  # 20 tokens: about 1 s each
+        flood = [pool.submit(c.chat, flooder, 120.0, max_tokens=20) for _ in range(20)]
+        c.app.wait_for(lambda: c.status()["queue_depth"] >= 12, 20, "the flood queued")
+        status, body = c.chat(other, 60.0, max_tokens=20)
+        assert status == 200, body
+        left = c.status()["queue_depth"]
+        assert left >= 8, f"only {left} of the flood still waited: it was not passed"
+        assert all(f.result(120)[0] == 200 for f in flood)  # the flood is all served too

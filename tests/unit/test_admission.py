@@ -17,6 +17,7 @@ from appliance.engine import EngineState
 from appliance.gateway.admission import Admission
 from appliance.gateway.errors import GatewayError
 from appliance.gateway.ratelimit import RateLimiter
+from appliance.gateway.wait_queue import Waiter, WaitQueue, fair_order
 
 
 def make(
@@ -467,3 +468,42 @@ async def test_a_key_with_nothing_in_flight_is_never_held_back_by_its_share() ->
     assert await c == 0  # holds nothing: one request whatever the share
     adm.release(a1, 800, "aaaaaaaa")
     assert await b == 0
+
+
+# ---- fair share between keys (issue 35 item 2) -------------------------------------------
+async def test_a_freed_slot_goes_to_the_waiting_key_with_the_fewest_in_flight() -> None:
+    adm, _, _ = make(n=1, max_inflight=4, max_queue=64)
+    running = [await adm.acquire(1, key="aaaaaaaa") for _ in range(4)]
+    flood = [asyncio.ensure_future(adm.acquire(1, key="aaaaaaaa")) for _ in range(10)]
+    await asyncio.sleep(0)
+    other = asyncio.ensure_future(adm.acquire(1, key="bbbbbbbb"))  # came last
+    await asyncio.sleep(0)
+    assert adm.queue_depth == 11
+    adm.release(running[0], 1, "aaaaaaaa")
+    assert await other == 0  # the next free slot, not behind A's ten
+    assert not any(f.done() for f in flood)
+    adm.release(running[1], 1, "aaaaaaaa")
+    assert await asyncio.wait_for(flood[0], 5) == 0  # then A's, in A's order
+    assert not any(f.done() for f in flood[1:])
+    for f in flood:
+        f.cancel()
+
+
+@pytest.mark.parametrize(
+    ("queued", "in_flight", "served"),
+    [
+        # (key of each waiter, in arrival order), in flight per key, the order served
+        ("AAAB", {}, "ABAA"),  # B's first goes after A's first: both have none running
+        ("AAAB", {"A": 4}, "BAAA"),  # A runs four: B first, then A's in A's order
+        ("ABAB", {"A": 1, "B": 1}, "ABAB"),  # even: arrival order
+        ("BBAA", {"B": 1}, "ABAB"),  # ties go to who waited longest
+        ("AAA", {"A": 9}, "AAA"),  # one key: its order
+    ],
+)
+async def test_fair_order(queued: str, in_flight: dict[str, int], served: str) -> None:
+    queue = WaitQueue()
+    for key in queued:
+        queue.add(Waiter(1, None, frozenset(), False, 0.0, None, key))
+    got = fair_order(queue.interactive, lambda k: in_flight.get(k, 0))
+    assert "".join(str(w.key) for w in got) == served
+    assert [w.seq for w in got if w.key == "A"] == sorted(w.seq for w in got if w.key == "A")
