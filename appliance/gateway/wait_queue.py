@@ -6,8 +6,9 @@ request waits; this module decides *who is served next* when room appears: inter
 first, each queue fairly between keys (the key with the fewest requests in flight
 first, each key's own in arrival order: :func:`fair_order`), a waiter that does not fit
 now passed by smaller ones of its model until it has aged (``gateway.queue_aging_s``);
-from then on nobody of its model passes it (batch included). Each model's waiters compete for that model's
-engines only. Synchronous: a release hands the slot on without a scheduling gap.
+from then on nobody of its model passes it (batch included). Each model's waiters
+compete for that model's engines only. Synchronous: a release hands the slot on without
+a scheduling gap.
 """
 
 from __future__ import annotations
