@@ -4,8 +4,9 @@
   reads) is ended after ``gateway.stall_timeout_s``: another client's request, queued
   behind it, is served, and ``/admin/status`` shows nothing in flight again. On both relay
   paths: the splice (HTTP/1.1) and aiohttp's client (HTTP/1.0).
-- A revoked key's open requests end at the revocation: its stream under way is cut, its
-  queued request gets 401, the engine's slot is free at once.
+- A revoked key's open requests end at the revocation (the admin API's, or `keys revoke`
+  picked up by the watcher's reload): its stream under way is cut, its queued request
+  gets 401, the engine's slot is free at once.
 - A key with ``max_inflight`` 1 runs one request at a time; the next one waits (it is not
   refused) while another key's request goes past it to the free slot.
 
@@ -17,7 +18,9 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import json
+import os
 import socket
+import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,7 +29,7 @@ from typing import Any
 
 import pytest
 
-from tests.fakes.appliance_proc import Appliance, fake_engine_config, run_appliance
+from tests.fakes.appliance_proc import CLI, REPO, Appliance, fake_engine_config, run_appliance
 from tests.fakes.http_json import call_json
 
 pytestmark = pytest.mark.slow
@@ -169,6 +172,35 @@ def test_a_revoked_keys_open_requests_end_at_the_revocation(tmp_path: Path) -> N
             c.app.wait_for(lambda: c.inflight() == 0, 10, "nothing in flight")
             c.app.engine_control(0, token_delay_ms=0)
             assert c.chat(max_tokens=1, timeout=20)[0] == 200
+        finally:
+            stream.close()
+
+
+def test_a_key_revoked_from_the_command_line_ends_its_stream_at_the_reload(
+    tmp_path: Path,
+) -> None:
+    """The keys file changed by another process (`keys revoke`): the watcher's reload
+    ends the key's open stream, as the admin API's revoke does."""
+    with daemon(tmp_path) as c:
+        user, key_id = c.new_key()
+        c.app.engine_control(0, token_delay_ms=20)  # 4000 tokens: 80 s
+        stream = c.send_stream(user, max_tokens=4000)
+        try:
+            head = first_event(stream)
+            env = {**os.environ, "PYTHONPATH": str(REPO)}
+            env.pop("LLM_APPLIANCE_CONFIG", None)
+            subprocess.run(
+                [*CLI, "keys", "revoke", key_id, "--config", str(tmp_path / "config.toml")],
+                check=True,
+                capture_output=True,
+                env=env,
+                cwd=REPO,
+                timeout=30,
+            )
+            got = head + read_to_end(stream)  # cut within the watcher's 2 s, not 80 s
+            assert b"data: [DONE]" not in got
+            c.app.wait_for(lambda: c.inflight() == 0, 10, "nothing in flight")
+            assert "ended 1 open request(s) of revoked or expired keys" in c.app.log()
         finally:
             stream.close()
 
