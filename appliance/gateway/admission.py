@@ -459,7 +459,9 @@ class Admission:
                 f"{'its GPU is' if len(hot) == 1 else 'every one of its GPUs is'} at the "
                 f"hard thermal limit ({where + ', ' if where else ''}thermal.hard_limit_c = "
                 f"{limit:g} °C) and takes nothing new until it cools; retry later",
-                "gpu_too_hot",
+                # The code stays the queue's: clients and alerts key on it; the words and
+                # /readyz say it is heat.
+                "queue_timeout",
                 10,
             )
         if loading:

@@ -441,7 +441,7 @@ def test_a_request_refused_because_every_gpu_is_too_hot_says_so(tmp_path: Path) 
             )
         error = refused.value.response.json()["error"]
         assert refused.value.status_code == 503
-        assert error["code"] == "gpu_too_hot", error
+        assert error["code"] == "queue_timeout", error  # the code clients know
         assert "hard thermal limit" in error["message"], error
         assert "GPU 0 at 91 °C" in error["message"] and "87 °C" in error["message"], error
         assert int(refused.value.response.headers["Retry-After"]) >= 1
