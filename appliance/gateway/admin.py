@@ -104,6 +104,18 @@ def _gpu_json(g: GpuStatus) -> dict[str, Any]:
     }
 
 
+TOP_KEYS = 10
+
+
+def _keys_inflight(gw: Gateway) -> list[dict[str, Any]]:
+    """[{"id", "name", "inflight"}] of the keys with requests in flight, most first."""
+    out = []
+    for key_id, n in gw.admission.top_keys(TOP_KEYS):
+        record = gw.keys.get(key_id)
+        out.append({"id": key_id, "name": record.name if record else None, "inflight": n})
+    return out
+
+
 def status_document(gw: Gateway) -> dict[str, Any]:
     """GET /admin/status, which `llm-appliance status --json` prints as it is."""
     status = gw.appliance.status()
@@ -116,6 +128,8 @@ def status_document(gw: Gateway) -> dict[str, Any]:
         "accepting": status.accepting,
         "ready": status.ready,
         "queue_depth": gw.admission.queue_depth,
+        # The keys with the most requests in flight (at most TOP_KEYS): who holds the box.
+        "keys_inflight": _keys_inflight(gw),
         "engines": [_engine_json(gw, e, status.gpu(e.telemetry_index)) for e in status.engines],
         "gpus": [_gpu_json(g) for g in status.gpus],
         # Every configured model and its load state (models on demand): loaded, loading,

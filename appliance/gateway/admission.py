@@ -135,6 +135,10 @@ class Admission:
         """The requests of the key ``key`` (its id) holding a slot now."""
         return self._key_inflight[key]
 
+    def top_keys(self, n: int) -> list[tuple[str, int]]:
+        """The ``n`` key ids with the most requests in flight now, most first."""
+        return self._key_inflight.most_common(n)
+
     @property
     def queue_depth(self) -> int:
         return len(self._queue)

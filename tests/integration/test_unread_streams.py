@@ -210,13 +210,14 @@ def test_a_key_past_its_max_inflight_waits_while_others_pass(tmp_path: Path) -> 
         daemon(tmp_path, engine={"max_inflight": 4}) as c,
         concurrent.futures.ThreadPoolExecutor(1) as pool,
     ):
-        user, _ = c.new_key(max_inflight=1)
+        user, key_id = c.new_key(max_inflight=1)
         c.app.engine_control(0, token_delay_ms=20)
         stream = c.send_stream(user, max_tokens=4000)
         try:
             c.app.wait_for(lambda: c.inflight() == 1, 10, "its first request running")
             second = pool.submit(c.chat, user, 60.0, max_tokens=1)
             c.app.wait_for(lambda: c.status()["queue_depth"] == 1, 10, "its second one waits")
+            assert c.status()["keys_inflight"] == [{"id": key_id, "name": "u", "inflight": 1}]
             # The engine has room: another key's request goes past the waiting one.
             assert c.chat(max_tokens=1, timeout=20)[0] == 200
             assert not second.done() and c.inflight() == 1

@@ -55,7 +55,7 @@ def status_with(
     )
     gw = SimpleNamespace(
         appliance=SimpleNamespace(status=lambda: status),
-        admission=SimpleNamespace(queue_depth=0),
+        admission=SimpleNamespace(queue_depth=0, top_keys=lambda n: []),
         state_files=lambda: (),
         model_door=NoModels(),
     )
