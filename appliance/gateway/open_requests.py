@@ -18,10 +18,7 @@ Either way the relay's ``finally`` gives the slot back and counts the tokens use
 from __future__ import annotations
 
 import asyncio
-import collections
-import contextlib
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -52,33 +49,37 @@ class OpenRequests:
     """The open requests of each key id."""
 
     def __init__(self) -> None:
-        self._by_key: collections.defaultdict[str, set[OpenRequest]] = collections.defaultdict(set)
+        self._by_key: dict[str, set[OpenRequest]] = {}
 
     def count(self, key_id: str) -> int:
         return len(self._by_key.get(key_id, ()))
 
-    @contextlib.contextmanager
-    def held(self, request: web.Request) -> Iterator[OpenRequest]:
-        """The handler's request, open until the block ends; a cancellation that
-        :meth:`end_invalid` caused before any answer began becomes the 401."""
+    def add(self, request: web.Request) -> OpenRequest:
+        """The handler's request is open (its key's revocation ends it); :meth:`remove`
+        it when the handler ends, however it ends. Plain calls, not a context manager:
+        this is per request (about 1 µs, against 4 µs for a generator context manager)."""
         task = asyncio.current_task()
         assert task is not None
         record: KeyRecord = request["key"]
         entry = OpenRequest(task, request, record)
-        self._by_key[record.id].add(entry)
-        try:
-            yield entry
-        except asyncio.CancelledError:
-            # Ours alone (the client did not also go away): said as the refusal it is.
-            if entry.ended and not request.get(STREAM_STARTED) and task.uncancel() == 0:
-                raise revoked() from None
-            raise
-        finally:
-            entries = self._by_key.get(record.id)
-            if entries is not None:
-                entries.discard(entry)
-                if not entries:
-                    del self._by_key[record.id]
+        entries = self._by_key.get(record.id)
+        if entries is None:
+            entries = self._by_key[record.id] = set()
+        entries.add(entry)
+        return entry
+
+    def remove(self, entry: OpenRequest) -> None:
+        # A key's set stays when empty: one per key id ever seen, fewer than the keys
+        # file holds, and not made anew for every request of an idle key.
+        self._by_key[entry.record.id].discard(entry)
+
+    @staticmethod
+    def refusal(entry: OpenRequest) -> GatewayError | None:
+        """For a handler cancelled: the 401 when :meth:`end_invalid` cancelled it before
+        any answer began, and nothing else did (the client did not also go away)."""
+        if entry.ended and not entry.request.get(STREAM_STARTED) and entry.task.uncancel() == 0:
+            return revoked()
+        return None
 
     def end_invalid(self, records: tuple[KeyRecord, ...], now: float | None = None) -> int:
         """End the open requests whose key is not among ``records`` (revoked), has

@@ -122,8 +122,16 @@ class Relay:
 
     async def _handle(self, request: web.Request, route: str, path: str) -> web.StreamResponse:
         # Open until it ends: its key's revocation ends it (open_requests.py).
-        with self.open.held(request):
+        entry = self.open.add(request)
+        try:
             return await self._handle_open(request, route, path)
+        except asyncio.CancelledError:
+            refused = self.open.refusal(entry)
+            if refused is not None:
+                raise refused from None
+            raise
+        finally:
+            self.open.remove(entry)
 
     def keys_changed(self) -> None:
         """The keys in force changed: end the open requests of keys no longer valid."""
