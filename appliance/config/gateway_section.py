@@ -93,6 +93,39 @@ class GatewayConfig:
         lo=0,
         live=True,
     )
+    key_token_share: float = _f(
+        0.5,
+        "While another key's request waits for a model, a key that already holds this "
+        "share of the model's in-flight token budget (`max_inflight_tokens` summed over "
+        "its engines) takes no more: its further requests wait until it holds less. A "
+        "key with nothing in flight may always run one request, and with nobody else "
+        "waiting a key may use the whole budget. 1 = no bound.",
+        lo=0,
+        hi=1,
+        lo_open=True,
+        live=True,
+    )
+    stall_timeout_s: float = _f(
+        60.0,
+        "A streamed answer whose client reads none of it for this long (the gateway's "
+        "buffer for it full, nothing taken from it since) is ended: the engine stops "
+        "generating it, its slot and token budget go to others, and the client's "
+        "connection is closed. A slow reader that keeps reading is never cut.",
+        lo=0,
+        lo_open=True,
+        live=True,
+    )
+    stored_responses_per_key: int = _f(
+        10000,
+        "Stored responses (Responses API, `store`) the gateway remembers per key, of the "
+        "100,000 it remembers in all: a key that stores more forgets its own least "
+        "recently made or used first, so one key cannot push out every other key's. A "
+        "forgotten one reads as 404; vLLM keeps it in the engine's memory until the "
+        "engine restarts.",
+        lo=1,
+        hi=100000,
+        live=True,
+    )
     metrics_public: bool = _f(
         False,
         "false: /metrics needs a key with scope `metrics` or "
@@ -111,7 +144,8 @@ class GatewayConfig:
         10.0,
         "A connection must send a complete request head (request line and headers) "
         "within this of opening, or of the first byte of a later request; else 408 and "
-        "it is closed. Answers are never timed: long streams to slow readers go on. An "
+        "it is closed. Answers are not timed as such: long streams to slow readers go "
+        "on (a client that stops reading is `stall_timeout_s`'s). An "
         "idle keep-alive connection is closed after 75 s.",
         lo=0,
         hi=3600,

@@ -61,7 +61,9 @@ KEY_DOCS: Mapping[str, tuple[str, str, str]] = {
     "idle_unload_s": (
         "900",
         "a number",
-        "on_demand: put away after this long without a request; 0 = never for idleness.",
+        'on_demand: put away after this long without a request; with `swap = "sleep"`, '
+        "asleep this long more without being wanted: unloaded fully (weights leave host "
+        "RAM); 0 = never for idleness.",
     ),
     "swap": (
         '"stop"',

@@ -47,7 +47,9 @@ COMMAND_WAIT_S = 10.0  # longest an admin request waits for an engine's runner t
 # the requests queued for it (at most 65 s more).
 ADAPTER_WAIT_S = 200.0
 _ENGINE_ID_RE = re.compile(r"[0-9]+")  # ASCII only: str.isdigit() takes "²" and "١"
-KEY_FIELDS = frozenset({"name", "scopes", "rpm", "tpm", "priority", "expires_days", "fallback"})
+KEY_FIELDS = frozenset(
+    {"name", "scopes", "rpm", "tpm", "priority", "expires_days", "fallback", "max_inflight"}
+)
 
 
 def _engine_json(gw: Gateway, e: EngineStatus, gpu: GpuStatus | None) -> dict[str, Any]:
@@ -103,6 +105,18 @@ def _gpu_json(g: GpuStatus) -> dict[str, Any]:
     }
 
 
+TOP_KEYS = 10
+
+
+def _keys_inflight(gw: Gateway) -> list[dict[str, Any]]:
+    """[{"id", "name", "inflight"}] of the keys with requests in flight, most first."""
+    out = []
+    for key_id, n in gw.admission.top_keys(TOP_KEYS):
+        record = gw.keys.get(key_id)
+        out.append({"id": key_id, "name": record.name if record else None, "inflight": n})
+    return out
+
+
 def status_document(gw: Gateway) -> dict[str, Any]:
     """GET /admin/status, which `llm-appliance status --json` prints as it is."""
     status = gw.appliance.status()
@@ -127,6 +141,8 @@ def status_document(gw: Gateway) -> dict[str, Any]:
             "reasons": verdict.get("reasons", {}),
         },
         "queue_depth": gw.admission.queue_depth,
+        # The keys with the most requests in flight (at most TOP_KEYS): who holds the box.
+        "keys_inflight": _keys_inflight(gw),
         "engines": [_engine_json(gw, e, status.gpu(e.telemetry_index)) for e in status.engines],
         "gpus": [_gpu_json(g) for g in status.gpus],
         # Every configured model and its load state (models on demand): loaded, loading,
@@ -252,6 +268,7 @@ class Admin:
             if not result.ok:
                 entry.detail["message"] = result.message  # the supervisor's words
                 raise GatewayError(409, result.message, code="engine_busy")
+        self.gw.admission.drained.discard(eid)  # coming back by itself: requests wait
         return web.json_response({"id": eid, "action": "restart", "accepted": True}, status=202)
 
     async def drain(self, request: web.Request) -> web.Response:
@@ -263,6 +280,10 @@ class Admin:
             if not result.ok:
                 entry.detail["message"] = result.message
                 raise GatewayError(409, result.message, code="cannot_drain")
+        # Drained by an admin: its model's requests are refused at once while every one
+        # of its engines is (admission.py), those waiting too.
+        self.gw.admission.drained.add(eid)
+        self.gw.admission.refuse_failed()
         return web.json_response({"id": eid, "state": result.state.value})
 
     async def resume(self, request: web.Request) -> web.Response:
@@ -272,6 +293,7 @@ class Admin:
             if not result.ok:
                 entry.detail["message"] = result.message
                 raise GatewayError(409, result.message, code="cannot_resume")
+        self.gw.admission.drained.discard(eid)
         self.gw.admission.kick()
         return web.json_response({"id": eid, "state": result.state.value})
 
@@ -351,6 +373,7 @@ class Admin:
                 body.get("priority", "interactive"),
                 body.get("expires_days"),
                 body.get("fallback"),
+                body.get("max_inflight"),
             )
         except KeySpecError as exc:
             raise GatewayError(400, str(exc), param=exc.field) from None
@@ -372,4 +395,5 @@ class Admin:
                 raise keys_file_error(exc) from None
             if not removed:
                 raise GatewayError(404, f"no key with id {key_id!r}", code="unknown_key")
+            self.gw.keys_changed()  # its open requests end now, not when they finish
         return web.json_response({"id": key_id, "revoked": True})

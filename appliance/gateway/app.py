@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
+from collections.abc import Sequence
 from pathlib import Path
 
 import aiohttp
@@ -67,7 +68,7 @@ class Gateway:
         self.audit = audit or AuditLog(None)  # None: audit lines go to the journal only
         cfg = appliance.config.gateway
         self.keys = KeyStore(Path(cfg.keys_file), logger=log)
-        self.watcher = KeyWatcher(self.keys, logger=log)
+        self.watcher = KeyWatcher(self.keys, logger=log, on_change=self.keys_changed)
         self.metrics = GatewayMetrics()
         self.ratelimiter = RateLimiter()
         # Tokens per key id (usage.json beside the keys file; the metric on our registry).
@@ -78,6 +79,7 @@ class Gateway:
             lambda: appliance.accepting,
             starting=lambda: appliance.starting,
             on_reject=lambda reason: self.metrics.rejections.labels(reason).inc(),
+            heat_of=self._heat_of,
         )
         self.metrics.attach(appliance, self.admission)
         self.metrics.attach_state_files(self.state_files)
@@ -125,11 +127,30 @@ class Gateway:
     def shutdown_begun(self) -> None:
         self.admission.fail_waiters("shutting_down", "the server is shutting down")
 
+    def keys_changed(self) -> None:
+        """Other keys are in force (a reload, a revoke): a revoked or expired key's open
+        requests end now (open_requests.py)."""
+        self.relay.keys_changed()
+
     def reload(self) -> None:
         self.watcher.reload_now()
         self.ratelimiter.forget({r.id for r in self.keys.records})
 
     # ---- helpers for handlers ------------------------------------------------------------
+    def _heat_of(self, engine_ids: Sequence[int]) -> str:
+        """The temperatures of the engines' GPUs (on CPU: their telemetry entries), in
+        words, for a 503 about heat: read when one is refused, never per request."""
+        status = self.appliance.status()
+        said = []
+        for e in status.engines:
+            if e.id not in engine_ids:
+                continue
+            for index in e.telemetry_indexes:
+                gpu = status.gpu(index)
+                if gpu is not None and gpu.reading.temperature_c is not None:
+                    said.append(f"GPU {index} at {gpu.reading.temperature_c:g} °C")
+        return ", ".join(dict.fromkeys(said))
+
     def state_files(self) -> tuple[WriteHealth, ...]:
         """How the writes of each state file go (usage.json, audit.log, keys.json)."""
         return (self.usage.writes, self.audit.writes, self.keys.writes)

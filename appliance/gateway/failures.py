@@ -30,19 +30,24 @@ class EngineFailure:
 
     reason: str  # the words clients and logs see
     timed_out: bool  # the engine did not answer in time (not: refused, reset, 5xx, given up)
+    # No answer at all: the connection was refused, its socket is gone, or it dropped
+    # before a response head. The engine may have died a moment ago, before the
+    # supervisor noticed: the relay waits for it to be back rather than answering 502.
+    unanswered: bool = False
 
     @classmethod
-    def of_client_error(cls, exc: BaseException) -> EngineFailure:
+    def of_client_error(cls, exc: BaseException, unanswered: bool = False) -> EngineFailure:
         """An aiohttp or socket error, named by its class. aiohttp's connect and read
         timeouts (``ServerTimeoutError`` and its kinds) are ``TimeoutError``s."""
         said = getattr(exc, "said", False)  # an error of ours, worded for the client
         reason = f"{type(exc).__name__}: {exc}" if said else type(exc).__name__
-        return cls(reason, timed_out=isinstance(exc, TimeoutError))
+        timed_out = isinstance(exc, TimeoutError)
+        return cls(reason, timed_out=timed_out, unanswered=unanswered and not timed_out)
 
     @classmethod
-    def of_upstream(cls, exc: UpstreamError) -> EngineFailure:
+    def of_upstream(cls, exc: UpstreamError, unanswered: bool = False) -> EngineFailure:
         """A splice connection's failure, which says itself whether it timed out."""
-        return cls(str(exc), timed_out=exc.timed_out)
+        return cls(str(exc), timed_out=exc.timed_out, unanswered=unanswered and not exc.timed_out)
 
     @classmethod
     def engine_answered(cls, status: int) -> EngineFailure:

@@ -26,6 +26,7 @@ from appliance.audit import AuditLog, Outcome, audit_path, to_syslog
 from appliance.config import load_config
 from appliance.gateway.keys import (
     MAX_EXPIRES_DAYS,
+    MAX_INFLIGHT,
     MAX_RPM,
     MAX_TPM,
     PRIORITIES,
@@ -49,6 +50,7 @@ COLUMNS = (
     "TPM",
     "PRIORITY",
     "FALLBACK",
+    "INFLIGHT",  # the key's cap on requests in flight ("-": none)
     "EXPIRES",
     "CREATED",
     "STATUS",
@@ -115,6 +117,7 @@ def cmd_create(args: argparse.Namespace) -> int:
             priority=args.priority,
             expires_days=_number(args.expires_days),
             fallback=False if args.no_fallback else None,
+            max_inflight=_number(args.max_inflight),
         )
     except KeySpecError as exc:
         _audit(store, "key.create", "key", "refused", param=exc.field)
@@ -157,6 +160,7 @@ def cmd_list(args: argparse.Namespace) -> int:
             "-" if r.tpm is None else str(r.tpm),
             r.priority,
             "yes" if r.fallback else "no",  # no: always waits for the model it names
+            "-" if not r.max_inflight else str(r.max_inflight),
             _when(r.expires_at),
             _when(r.created_at),
             _status(r, now),
@@ -330,6 +334,12 @@ def _add_create(
         "--no-fallback",
         action="store_true",
         help="this key's requests wait for the model they name, never go to its fallback model",
+    )
+    p.add_argument(
+        "--max-inflight",
+        metavar="N",
+        help=f"at most N of this key's requests in flight at once; beyond, they wait in the "
+        f"queue (not refused); 0..{MAX_INFLIGHT}, default: 0 (no cap)",
     )
     p.set_defaults(func=cmd_create)
 

@@ -47,6 +47,13 @@ class GatewayMetrics:
             self.failovers,
             self.fallbacks,
         ) = _admission_metrics(r)
+        self.key_model_loads = Counter(
+            "appliance_key_model_loads",
+            "On-demand model loads (cold) and wakes asked for by a key's request: the "
+            "first request that passed every check and found its model put away",
+            ["key_id", "model", "how"],
+            registry=r,
+        )
 
         # Each series' child, kept: labels() per request is a validation, a lock and a
         # dict look-up (3 per request, #24). The label values are bounded (routes,

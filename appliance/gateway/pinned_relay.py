@@ -39,7 +39,7 @@ class PinnedRelay:
 
     def __init__(self, gateway: Gateway, try_on: TryOn, check_rate: CheckRate) -> None:
         self.gw = gateway
-        self.stored = StoredResponses()
+        self.stored = StoredResponses(per_key=self._share)
         self._try_on = try_on
         self._check_rate = check_rate
 
@@ -49,6 +49,10 @@ class PinnedRelay:
         store = (config.engine_of(parsed.model).responses_store, bool(config.models))
         needs = parsed.state.needs if parsed.state is not None else None
         return self.stored.engine_for(needs, parsed.model, key_id, self._engine, store)
+
+    def _share(self) -> int:
+        """Each key's share of the stored-response map, as the running config says."""
+        return self.gw.appliance.config.gateway.stored_responses_per_key
 
     def _engine(self, engine_id: int) -> Any:
         try:
@@ -79,18 +83,21 @@ class PinnedRelay:
         gw = self.gw
         others = frozenset(e.id for e in candidates(parsed.model, gw.appliance.engines()))
         queued = time.monotonic()
+        record = request["key"]
         got = await gw.admission.acquire(
             parsed.cost,
             batch=batch,
             session=parsed.session,
             exclude=others - {engine_id},
             model=parsed.model,
+            key=record.id,
+            key_cap=record.max_inflight,
         )
         gw.metrics.queue_wait.observe(time.monotonic() - queued)
         try:
             result = await self._try_on(request, got, path, parsed, started, method)
         finally:
-            gw.admission.release(got, parsed.cost)
+            gw.admission.release(got, parsed.cost, record.id, parsed.model)
         if isinstance(result, web.StreamResponse):
             return result
         raise engine_error(result)

@@ -52,6 +52,7 @@ from appliance.gateway.errors import GatewayError
 from appliance.gateway.failures import Attempt, EngineFailure, engine_error
 from appliance.gateway.fallback import REFUSE_HEADER, SERVED_BY, fallback_allowed
 from appliance.gateway.models import model_cards, resolve_named
+from appliance.gateway.open_requests import OpenRequests
 from appliance.gateway.pinned_relay import PinnedRelay
 from appliance.gateway.protocols import ROUTES, Route
 from appliance.gateway.protocols.refusals import model_refusal
@@ -75,6 +76,7 @@ class Relay:
         self.gw = gateway
         self._attempts: collections.defaultdict[int, set[Attempt]] = collections.defaultdict(set)
         self.pinned = PinnedRelay(gateway, self._relay, self._check_rate)
+        self.open = OpenRequests()  # per key: ended when the key is revoked
 
     def abandon(self, engine_id: int, why: str) -> int:
         """Give up on every request on an engine that stopped answering; how many.
@@ -119,14 +121,35 @@ class Relay:
         return handle
 
     async def _handle(self, request: web.Request, route: str, path: str) -> web.StreamResponse:
+        # Open until it ends: its key's revocation ends it (open_requests.py).
+        entry = self.open.add(request)
+        try:
+            return await self._handle_open(request, route, path)
+        except asyncio.CancelledError:
+            refused = self.open.refusal(entry)
+            if refused is not None:
+                raise refused from None
+            raise
+        finally:
+            self.open.remove(entry)
+
+    def keys_changed(self) -> None:
+        """The keys in force changed: end the open requests of keys no longer valid."""
+        ended = self.open.end_invalid(self.gw.keys.records)
+        if ended:
+            log.warning("ended %d open request(s) of revoked or expired keys", ended)
+
+    async def _handle_open(self, request: web.Request, route: str, path: str) -> web.StreamResponse:
         started = time.monotonic()
         record = request["key"]
         parsed, fallback = await self._parse(request, route)
-        self._use_model(request, parsed.model)
         # before tpm: never charge what cannot run
         self.gw.admission.check_cost(parsed.cost, parsed.model)
         pinned = self.pinned.engine_for(parsed, record.id)
         self._check_rate(record, parsed.cost)
+        # Only a request that passed every check may make an on-demand model load: a
+        # refused one (400, 429) never does (issue 33 item 3).
+        self._use_model(request, parsed.model)
         batch = record.priority == "batch"
         if pinned is not None:
             return await self.pinned.relay(request, path, parsed, started, batch, pinned)
@@ -135,14 +158,26 @@ class Relay:
         return await self._relay_with_failover(request, path, parsed, started, batch)
 
     def _use_model(self, request: web.Request, model: str) -> None:
-        """Mark the model used; an on-demand model not loaded is asked for. A request
-        for an on-demand model waits up to its load_timeout_s while the model is not
-        serving, loaded or not when the request came: it may be put away for another
-        model of its slot while the request waits (Admission.acquire)."""
-        self.gw.model_door.use_model(model)
+        """Mark the model used (for its idle unload); an on-demand model not loaded is
+        then wanted for as long as this request waits in the queue for it, and no longer
+        (models_on_demand.py reads the queue). A request for an on-demand model waits up
+        to its load_timeout_s while the model is not serving, loaded or not when the
+        request came: it may be put away for another model of its slot while the request
+        waits (Admission.acquire). A load this request starts is counted to its key."""
+        door = self.gw.model_door
+        loaded = door.use_model(model)
         served = self.gw.appliance.config.model(model)
-        if served is not None and served.on_demand:
-            request[LOAD_WAIT] = {model: served.load_timeout_s}
+        if served is None or not served.on_demand:
+            return
+        request[LOAD_WAIT] = {model: served.load_timeout_s}  # loaded now or not (above)
+        if loaded or self.gw.admission.queued_since(model) is not None:
+            return  # somebody already waits for it: theirs is the load
+        state = next((m.state for m in door.models() if m.name == model), "")
+        if state in ("unloaded", "sleeping"):
+            how = "wake" if state == "sleeping" else "cold"
+            key_id = request["key"].id
+            self.gw.metrics.key_model_loads.labels(key_id, model, how).inc()
+            log.info("model %s: a %s load asked for by key %s", model, how, key_id)
 
     async def _parse(self, request: web.Request, route: str) -> tuple[ParsedRequest, str]:
         """The checked request, costed on the engines of the model it names (404 for no
@@ -201,7 +236,10 @@ class Relay:
         named as usual. One hop: the fallback's own fallback is never looked at."""
         gw = self.gw
         adm = gw.admission
-        own = adm.try_acquire(parsed.cost, parsed.session, parsed.model)
+        record = request["key"]
+        own = adm.try_acquire(
+            parsed.cost, parsed.session, parsed.model, record.id, record.max_inflight
+        )
         if own is not None:
             gw.fallbacks.served_own(parsed.model)
             return own, parsed
@@ -216,7 +254,9 @@ class Relay:
         )
         if reason is None:
             return None
-        engine_id = adm.try_acquire(other.cost, other.session, target.name)
+        engine_id = adm.try_acquire(
+            other.cost, other.session, target.name, record.id, record.max_inflight
+        )
         if engine_id is None:
             return None
         gw.fallbacks.fell_back(parsed.model, target.name, reason)
@@ -257,19 +297,22 @@ class Relay:
         fallback model's, and the retry stays among that model's engines."""
         gw = self.gw
         tried: frozenset[int] = frozenset()
-        for attempt in (1, 2):
+        waited_back = False  # waited once for an engine that gave no answer at all
+        attempt = 0
+        while True:
+            attempt += 1
             engine_id, parsed = await self._admit(
                 request, parsed, batch, tried, fallback if attempt == 1 else ""
             )
             try:
                 result = await self._relay(request, engine_id, path, parsed, started)
             finally:
-                gw.admission.release(engine_id, parsed.cost)
+                gw.admission.release(engine_id, parsed.cost, request["key"].id, parsed.model)
             if isinstance(result, web.StreamResponse):
                 return result
             # Failed before the first byte: try once more elsewhere.
-            tried = tried | {engine_id}
-            if attempt == 1 and gw.has_other_engine(tried, parsed.model):
+            if attempt == 1 and gw.has_other_engine(tried | {engine_id}, parsed.model):
+                tried = tried | {engine_id}
                 gw.metrics.failovers.inc()
                 log.warning(
                     "engine%d failed before answering (%s); retrying on another engine",
@@ -277,8 +320,19 @@ class Relay:
                     result.reason,
                 )
                 continue
+            if result.unanswered and not waited_back:
+                # No other engine, and this one gave no answer at all: it may have died a
+                # moment before the supervisor noticed. Wait in the queue for it to be
+                # back (its restart), as a request that came a moment later would.
+                waited_back = True
+                gw.admission.unanswered(engine_id, gw.appliance.engine(engine_id).pid)
+                log.warning(
+                    "engine%d gave no answer (%s); the request waits for it to be back",
+                    engine_id,
+                    result.reason,
+                )
+                continue
             raise engine_error(result)
-        raise AssertionError("unreachable")
 
     async def _admit(
         self,
@@ -302,6 +356,8 @@ class Relay:
                 exclude=tried,
                 model=parsed.model,
                 load_wait_s=request.get(LOAD_WAIT, {}).get(parsed.model),
+                key=request["key"].id,
+                key_cap=request["key"].max_inflight,
             )
         self.gw.metrics.queue_wait.observe(time.monotonic() - queued)
         return engine_id, parsed

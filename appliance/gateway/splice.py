@@ -25,7 +25,11 @@ the next request on it (docs/security.md).
 
 Flow control: when a client does not read, its transport's buffer grows; above
 ``HIGH_WATER`` the engine connection stops reading (so the engine's socket fills and
-its own flow control holds tokens back) until the buffer is below ``LOW_WATER``.
+its own flow control holds tokens back) until the buffer is below ``LOW_WATER``. A
+client that takes nothing from that buffer for ``gateway.stall_timeout_s`` is cut off
+(:class:`ClientStalled`): its connection is aborted, and so is the engine's, so vLLM
+stops generating and the relay gives the request's slot back. The timer runs only
+while the engine connection is paused (the drain poll below), never per chunk.
 """
 
 from __future__ import annotations
@@ -55,6 +59,10 @@ HIGH_WATER = 256 * 1024
 LOW_WATER = 64 * 1024
 MAX_BODY_BYTES = 64 * 1024 * 1024  # a non-streamed answer (an error body) read whole
 DRAIN_POLL_S = 0.02
+
+
+class ClientStalled(UpstreamError):
+    """The client read none of its stream for ``gateway.stall_timeout_s``."""
 
 
 class _Phase(enum.Enum):
@@ -195,14 +203,12 @@ class UpstreamConnection(asyncio.Protocol):
         head, self._head_out = self._head_out, b""
         return head
 
-    async def wait_spliced(self) -> None:
-        """Until the spliced body has ended, keeping the client's buffer bounded."""
+    async def wait_spliced(self, stall_s: float = float("inf")) -> None:
+        """Until the spliced body has ended, keeping the client's buffer bounded; a
+        client that takes nothing from it for ``stall_s`` ends it (ClientStalled)."""
         while self._phase is not _Phase.DONE:
             if self.paused:
-                # Polled, and only while a client is not reading: the client transport's
-                # protocol is aiohttp's, which offers no public "drained" to wait on.
-                while self._client_backed_up():  # noqa: ASYNC110
-                    await asyncio.sleep(DRAIN_POLL_S)
+                await self._drained(stall_s)
                 self.paused = False
                 if self.transport is not None and not self._closed:
                     self.transport.resume_reading()
@@ -226,6 +232,30 @@ class UpstreamConnection(asyncio.Protocol):
         )
 
     # ---- internals -------------------------------------------------------------------
+    async def _drained(self, stall_s: float) -> None:
+        """Until the client's buffer is below LOW_WATER. Polled, and only while a client
+        is not reading: the client transport's protocol is aiohttp's, which offers no
+        public "drained" to wait on. The buffer only shrinks while the engine connection
+        is paused, so a poll that finds it no smaller than at the last one is a client
+        that read nothing since; for ``stall_s`` in a row: both connections are cut."""
+        sink = self._sink
+        last = sink.get_write_buffer_size() if sink is not None else 0
+        since = self._loop.time()
+        while self._client_backed_up():
+            await asyncio.sleep(DRAIN_POLL_S)
+            if sink is None or sink.is_closing():
+                return
+            size, now = sink.get_write_buffer_size(), self._loop.time()
+            if size < last:
+                last, since = size, now
+            elif now - since >= stall_s:
+                sink.abort()  # what it never read is dropped with it
+                stalled = ClientStalled(f"the client read nothing for {stall_s:g} s")
+                self._fail(stalled)
+                if self.transport is not None:
+                    self.transport.close()  # closing is what makes vLLM abort
+                raise stalled
+
     def _client_backed_up(self) -> bool:
         sink = self._sink
         return (

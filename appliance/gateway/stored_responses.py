@@ -15,8 +15,11 @@ and the spawn of it that made the response, and the key that asked:
 - an engine that restarted since (its spawn differs: its process and restart count)
   lost its stored responses: a 404 that says so, rather than the engine's puzzling one.
 
-The map is bounded (:data:`MAX_KEPT`, least recently made or used goes first) and lives
-in the daemon's memory: a daemon restart restarts the engines too, so nothing it forgets
+The map is bounded (:data:`MAX_KEPT`, least recently made or used goes first), and so
+is each key's share of it (``gateway.stored_responses_per_key``): a key that stores past
+its share forgets its own least recently made or used first, so one key cannot push
+every other key's responses out of the map (issue 33 item 8). It lives in the daemon's
+memory: a daemon restart restarts the engines too, so nothing it forgets
 could still be read. vLLM's own store is unbounded (``VLLM_ENABLE_RESPONSES_API_STORE``
 warns of it); a response this map forgot stays in the engine's memory until it restarts.
 """
@@ -106,20 +109,49 @@ def store_off(response_id: str, model: str, tables: bool) -> GatewayError:
 class StoredResponses:
     """The bounded map from response id to the :class:`Holder` that made it."""
 
-    def __init__(self, limit: int = MAX_KEPT) -> None:
+    def __init__(
+        self, limit: int = MAX_KEPT, per_key: Callable[[], int] = lambda: MAX_KEPT
+    ) -> None:
         self.limit = limit
+        self._per_key = per_key  # read at each record: a reload's value applies at once
         self._held: collections.OrderedDict[str, Holder] = collections.OrderedDict()
+        # Each key's ids, least recently made or used first (the same order as _held's).
+        self._of_key: dict[str, collections.OrderedDict[str, None]] = {}
 
     def __len__(self) -> int:
         return len(self._held)
 
+    def count(self, key_id: str) -> int:
+        """The ids the key ``key_id`` has in the map."""
+        return len(self._of_key.get(key_id, ()))
+
     def record(self, response_id: str, holder: Holder) -> None:
         """``holder`` made (or is making) ``response_id``; a retry on another engine
-        overwrites the first try's."""
+        overwrites the first try's. Past its key's share, that key's least recently made
+        or used id goes; past the whole map's bound, anyone's least recent."""
+        before = self._held.get(response_id)
+        if before is not None and before.key_id != holder.key_id:
+            self._drop_from_key(response_id, before.key_id)
         self._held[response_id] = holder
         self._held.move_to_end(response_id)
+        mine = self._of_key.setdefault(holder.key_id, collections.OrderedDict())
+        mine[response_id] = None
+        mine.move_to_end(response_id)
+        share = max(1, self._per_key())
+        while len(mine) > share:
+            oldest, _ = mine.popitem(last=False)
+            del self._held[oldest]
         while len(self._held) > self.limit:
-            self._held.popitem(last=False)
+            gone, old = self._held.popitem(last=False)
+            self._drop_from_key(gone, old.key_id)
+
+    def _drop_from_key(self, response_id: str, key_id: str) -> None:
+        ids = self._of_key.get(key_id)
+        if ids is None:
+            return
+        ids.pop(response_id, None)
+        if not ids:
+            del self._of_key[key_id]
 
     def engine_for(
         self,
@@ -167,4 +199,7 @@ class StoredResponses:
                 "and stored responses are lost when an engine restarts",
             )
         self._held.move_to_end(response_id)
+        mine = self._of_key.get(key_id)
+        if mine is not None and response_id in mine:
+            mine.move_to_end(response_id)
         return held

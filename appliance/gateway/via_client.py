@@ -3,12 +3,20 @@
 A non-streamed answer is read whole (within ``gateway.max_answer_bytes``) and sent on
 untouched; a stream is passed on chunk by chunk as aiohttp reads it. Streams from
 HTTP/1.1 clients take the faster path in via_splice.py.
+
+A stream's client that reads nothing for ``gateway.stall_timeout_s`` is cut off, as on
+the splice path: a write is timed only when the client's transport already holds
+unsent bytes (``TIMED_WRITE_BYTES``), the only case in which aiohttp's write can wait for
+the client, so a client that keeps up costs no timer per chunk. A whole answer's slot
+is given back before aiohttp writes it (the relay returns it), so a client that does
+not read it holds no engine.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from typing import TYPE_CHECKING
 
 import aiohttp
@@ -25,7 +33,13 @@ from appliance.gateway.answers import (
 )
 from appliance.gateway.failures import RETRYABLE_STATUS, EngineFailure, failure_if_abandoned
 from appliance.gateway.http1 import MAX_CHUNK_BYTES, AnswerTooLarge
+from appliance.gateway.open_requests import STREAM_STARTED
 from appliance.gateway.usage_events import StreamTap
+
+log = logging.getLogger("appliance.gateway")
+# A write to a transport holding more than this may wait for the client (aiohttp drains
+# above asyncio's high-water mark, 64 KiB): such a write is timed by stall_timeout_s.
+TIMED_WRITE_BYTES = 16 * 1024
 
 if TYPE_CHECKING:
     from appliance.gateway.app import Gateway
@@ -86,7 +100,8 @@ async def _post(gw: Gateway, call: EngineCall) -> aiohttp.ClientResponse | Engin
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
         )
     except (aiohttp.ClientError, OSError) as exc:
-        return EngineFailure.of_client_error(exc)
+        # Before the response head: refused, no socket, or dropped unanswered.
+        return EngineFailure.of_client_error(exc, unanswered=True)
     except asyncio.CancelledError:
         failure = failure_if_abandoned(call.attempt)
         if failure is None:
@@ -144,14 +159,16 @@ async def _stream_events(
             if first:
                 # Headers go out with the first chunk: until then a failure can still
                 # be retried elsewhere without the client knowing.
+                request[STREAM_STARTED] = True  # from here only the stream reaches it
                 await resp.prepare(request)
                 gw.metrics.first_byte(call.parsed.route, call.parsed.model, call.started)
                 first = False
             try:
-                await resp.write(chunk)
-            except ConnectionError:
-                # The client went away: not an engine failure, nothing to retry.
-                # Returning closes the upstream mid-answer, so vLLM aborts it.
+                await _write(gw, call, resp, chunk)
+            except (ConnectionError, TimeoutError):
+                # The client went away, or read nothing for stall_timeout_s: not an
+                # engine failure, nothing to retry. Returning closes the upstream
+                # mid-answer, so vLLM aborts it.
                 request["status"] = 499
                 return resp
     except (TimeoutError, aiohttp.ClientError) as exc:
@@ -164,6 +181,28 @@ async def _stream_events(
     await _write_rest(resp, tap.flush_sse(pending))
     await resp.write_eof()
     return resp
+
+
+async def _write(gw: Gateway, call: EngineCall, resp: web.StreamResponse, chunk: bytes) -> None:
+    """One chunk to the client; TimeoutError (and the client's connection aborted) when
+    the write waited ``stall_timeout_s`` for a client that read nothing."""
+    transport = call.client.transport
+    if transport is None or transport.get_write_buffer_size() + len(chunk) <= TIMED_WRITE_BYTES:
+        await resp.write(chunk)  # cannot wait for the client: untimed
+        return
+    stall_s = gw.appliance.config.gateway.stall_timeout_s
+    try:
+        await asyncio.wait_for(resp.write(chunk), stall_s)
+    except TimeoutError:
+        transport.abort()
+        log.warning(
+            "a %s stream of key %s ended: the client read nothing for %g s "
+            "(gateway.stall_timeout_s); its engine slot is free again",
+            call.parsed.route,
+            call.client["key"].id,
+            stall_s,
+        )
+        raise
 
 
 async def _write_rest(resp: web.StreamResponse, rest: bytes) -> None:

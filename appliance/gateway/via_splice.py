@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from typing import TYPE_CHECKING
 
 from aiohttp import web
@@ -24,7 +25,8 @@ from appliance.gateway.answers import (
 )
 from appliance.gateway.failures import RETRYABLE_STATUS, EngineFailure, failure_if_abandoned
 from appliance.gateway.http1 import Head, UpstreamError, request_bytes
-from appliance.gateway.splice import UpstreamConnection
+from appliance.gateway.open_requests import STREAM_STARTED
+from appliance.gateway.splice import ClientStalled, UpstreamConnection
 from appliance.gateway.stream_writes import (
     CHUNKED_END,
     HeldHeadResponse,
@@ -36,6 +38,8 @@ from appliance.gateway.usage_events import StreamTap
 
 if TYPE_CHECKING:
     from appliance.gateway.app import Gateway
+
+log = logging.getLogger("appliance.gateway")
 
 
 async def relay_via_splice(gw: Gateway, call: EngineCall) -> web.StreamResponse | EngineFailure:
@@ -50,6 +54,7 @@ async def relay_via_splice(gw: Gateway, call: EngineCall) -> web.StreamResponse 
         head = await _until_first_chunk(gw, call, conn)
         if not isinstance(head, Head):
             return head  # a whole answer, or a failure to retry elsewhere
+        call.client[STREAM_STARTED] = True  # from here only the stream reaches the client
         resp = stream_response(
             head.headers.get("content-type", "text/event-stream"), HeldHeadResponse
         )
@@ -70,7 +75,7 @@ async def _connect(pool: UpstreamPool, call: EngineCall) -> UpstreamConnection |
     try:
         return await pool.acquire(call.address)
     except UpstreamError as exc:
-        return EngineFailure.of_upstream(exc)
+        return EngineFailure.of_upstream(exc, unanswered=True)
     except asyncio.CancelledError:
         failure = failure_if_abandoned(call.attempt)
         if failure is None:
@@ -103,7 +108,9 @@ async def _until_first_chunk(
         # retried elsewhere without the client knowing.
         await conn.wait_first_chunk()
     except UpstreamError as exc:
-        return call.attempt.given_up or EngineFailure.of_upstream(exc)
+        # No head yet (call.meter.status 0): the engine gave no answer at all.
+        unanswered = call.meter.status == 0
+        return call.attempt.given_up or EngineFailure.of_upstream(exc, unanswered)
     return head
 
 
@@ -122,8 +129,16 @@ async def _splice_stream(
         # The head goes with the first chunk and the end with the last (stream_writes.py);
         # a closing client transport aborts the splice at once.
         conn.splice_to(transport, take_head(resp), CHUNKED_END)
-        await conn.wait_spliced()
+        await conn.wait_spliced(gw.appliance.config.gateway.stall_timeout_s)
     except UpstreamError as exc:
+        if isinstance(exc, ClientStalled):
+            log.warning(
+                "a %s stream of key %s ended: %s (gateway.stall_timeout_s); its engine "
+                "slot is free again",
+                call.parsed.route,
+                request["key"].id,
+                exc,
+            )
         transport = request.transport
         if transport is None or transport.is_closing():
             request["status"] = 499  # the client went away: nothing to tell it

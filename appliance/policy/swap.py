@@ -13,7 +13,9 @@ life, one enum with a table of allowed moves, as an engine's::
 :func:`decide` is the whole policy, a pure function of a snapshot of one slot:
 
 1. a LOADED model idle for its ``idle_unload_s`` (nothing in flight, nobody waiting for
-   it) is put away: it frees the slot before anyone asks;
+   it) is put away: it frees the slot before anyone asks; a SLEEPING one (``swap =
+   "sleep"``) nobody wants, asleep for its ``idle_unload_s`` (since it left the slot), is
+   unloaded fully, so its weights do not stay in host RAM for good;
 2. a model somebody waits for, in a slot nobody else holds, is loaded (the one waiting
    longest first, its wait counted from no earlier than when it last left the slot:
    :func:`turn_since`);
@@ -138,6 +140,11 @@ def turn_since(m: ModelSnap) -> float:
 
 
 def _idle(m: ModelSnap, now: float) -> Action | None:
+    if m.state is _S.SLEEPING and m.waiting_since is None and m.idle_unload_s > 0:
+        asleep_s = now - (m.left_at if m.left_at is not None else m.last_used)
+        if asleep_s >= m.idle_unload_s:
+            return Action("unload", m.name, f"asleep for {asleep_s:.0f} s")
+        return None
     if m.state is not _S.LOADED or m.inflight or m.waiting_since is not None:
         return None
     if m.idle_unload_s <= 0 or now - m.last_used < m.idle_unload_s:

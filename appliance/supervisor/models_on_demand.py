@@ -79,16 +79,19 @@ class ModelsOnDemand:
 
     # ---- the gateway's door (appliance.control.ModelDoor) -------------------------------
     def use_model(self, name: str) -> bool:
+        """Called by the gateway for a request that passed every check. The model is
+        wanted while such a request waits in the gateway's queue for it
+        (:meth:`_wanted_since`), not from here: a request that leaves (its client gone,
+        its wait over) stops wanting it, and one refused never wanted it. This only marks
+        the use and wakes the task, which finds the request queued by then (the gateway
+        queues it without yielding in between; else the next tick does)."""
         m = self._models.get(name)
         if m is None:
             return True
         m.last_used, m.used_wall = time.monotonic(), time.time()
         if m.state is ModelState.LOADED:
             return True
-        if self._failed(m):
-            return False  # nothing to load until an admin restarts one: the gateway says so
-        if m.waiting_since is None:
-            m.waiting_since = m.last_used
+        if not self._failed(m):  # FAILED: nothing to load until an admin restarts one
             self._asked.set()
         return False
 
@@ -115,6 +118,8 @@ class ModelsOnDemand:
         m.waiting_since = None
         if m.state in (ModelState.LOADED, ModelState.LOADING):
             self._put_away(m, "asked by an admin")
+        elif m.state is ModelState.SLEEPING:
+            self._unload_asleep(m, "asked by an admin")
         return ModelResult(True, self._status(m).state, "")
 
     def counts(self, spec: EngineSpec) -> bool:
@@ -214,7 +219,10 @@ class ModelsOnDemand:
                 r.tell(Park(sleep=False))
         elif m.state is ModelState.DRAINING and not any(s in UP for s in states):
             self._move(m, ModelState.UNLOADING)  # drained: its engines are going down
-        if m.state is ModelState.UNLOADING and self._gone(m):
+        # Unloading from sleep: its engines are still SLEEPING until their runners stop
+        # them, which is not gone yet.
+        stopping_asleep = not m.sleep_asked and EngineState.SLEEPING in states
+        if m.state is ModelState.UNLOADING and self._gone(m) and not stopping_asleep:
             asleep = m.sleep_asked and all(s is EngineState.SLEEPING for s in states)
             self._move(m, ModelState.SLEEPING if asleep else ModelState.UNLOADED)
             log.info("model %s: %s", m.served.name, "asleep" if asleep else "unloaded")
@@ -250,10 +258,20 @@ class ModelsOnDemand:
             log.info("model %s: loading (%s; %s)", m.served.name, m.how, action.why)
             for r in m.runners:
                 r.tell(Unpark())
+        elif m.state is ModelState.SLEEPING:
+            self._unload_asleep(m, action.why)
         elif action.kind == "drain" or m.state is ModelState.LOADED:
             self._put_away(m, action.why)
         elif m.state is ModelState.DRAINING:
             self._move(m, ModelState.UNLOADING)
+
+    def _unload_asleep(self, m: _Model, why: str) -> None:
+        """A sleeping model's engines are stopped: its weights leave host RAM."""
+        m.sleep_asked = False
+        log.info("model %s: unloading from sleep: %s", m.served.name, why)
+        self._move(m, ModelState.UNLOADING)
+        for r in m.runners:
+            r.tell(Park(sleep=False))
 
     def _put_away(self, m: _Model, why: str) -> None:
         m.sleep_asked, m.left_at = m.served.swap == "sleep", time.monotonic()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Literal
 
 from appliance.engine import EngineSpec
 from appliance.supervisor.commands import Park, RunnerHost, Sleeper, Unpark
@@ -50,11 +51,15 @@ class Parking:
 
     async def until_wanted(
         self, host: RunnerHost, exited: asyncio.Future[int], inbox: Inbox
-    ) -> bool:
-        """Asleep until unparked (True), or until it exits or the daemon stops (False)."""
+    ) -> Literal["wake", "stop", "gone"]:
+        """Asleep until unparked ("wake"), asked to stop for good (a park without sleep:
+        asleep too long, "stop"), or until it exits or the daemon stops ("gone")."""
         while self.parked and not exited.done() and not host.stopping:
+            if self.asked is not None and not self.asked.sleep:
+                self.asked = None
+                return "stop"
             await inbox.nap(None, exited)
-        return not (exited.done() or host.stopping)
+        return "gone" if exited.done() or host.stopping else "wake"
 
     async def wake(self, host: RunnerHost, api_key: str, inbox: Inbox) -> bool:
         assert self._sleeper is not None

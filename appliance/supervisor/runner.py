@@ -317,8 +317,11 @@ class EngineRunner(RunnerFace):
         if not sleep or not await parking.sleep(host, key, inbox):
             return RestartReason.UNLOAD
         self._set_state(EngineState.SLEEPING)
-        if not await parking.until_wanted(host, exited, inbox):
+        until = await parking.until_wanted(host, exited, inbox)
+        if until == "gone":
             return None  # it exited, or the daemon stops: the watch sees either at the top
+        if until == "stop":
+            return RestartReason.UNLOAD  # asleep too long: stopped, weights freed
         if not await parking.wake(host, key, inbox):
             return RestartReason.CRASH
         await self._lora.sync(key, inbox)  # changed while asleep: synced before READY
@@ -382,6 +385,9 @@ class EngineRunner(RunnerFace):
 
     async def _stop(self, reason: RestartReason | None) -> None:
         """Take the engine down: SIGTERM its tree, SIGKILL what stays, wait for its port."""
+        # Asleep, it gave its GPU memory back already; what the GPU holds now is the model
+        # that took its place, which must not hold this one UNLOADING for the whole wait.
+        asleep = self._state is EngineState.SLEEPING
         if self._state in STOPPABLE:
             self._set_state(EngineState.STOPPING)
         host = self._host
@@ -395,5 +401,6 @@ class EngineRunner(RunnerFace):
             self._set_state(EngineState.EXITED)
         if host.stopping:
             return
-        await waits.resources_free(self.spec, host, self._process, self._inbox)
+        if not asleep:
+            await waits.resources_free(self.spec, host, self._process, self._inbox)
         self.releasing = False

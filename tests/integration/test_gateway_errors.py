@@ -534,7 +534,9 @@ def test_503_when_no_engine_takes_work_and_readyz(gw: Gw) -> None:
         retry_after(r)
         started = time.monotonic()
         r = gw.chat(max_tokens=1)
-        assert_error(r, 503, "service_unavailable", "queue_timeout")
+        # Every engine drained by an admin: refused at once, saying so (issue 33 item 11).
+        err = assert_error(r, 503, "service_unavailable", "no_engine")
+        assert "drained by an admin" in err["message"], err
         retry_after(r)
         assert time.monotonic() - started < 3
         assert gw.call("GET", "/healthz").status == 200  # alive, just not ready

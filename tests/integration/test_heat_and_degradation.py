@@ -449,3 +449,42 @@ def test_kv_pressure_breaker_sheds_then_reopens_without_waiting_for_a_health_che
                 model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4
             )
         assert chats()[0] > before[0]  # it serves again
+
+
+def test_a_request_refused_because_every_gpu_is_too_hot_says_so(tmp_path: Path) -> None:
+    """Issue 33 item 12: the 503 names the heat, not only the queue's timeout."""
+    sensors = tmp_path / "sensors.json"
+    write_sensors(sensors, [60])
+    cfg = fake_engine_config(
+        tmp_path,
+        1,
+        health=STEADY_HEALTH,
+        gateway={"queue_timeout_s": 1},
+        telemetry={"source": f"file:{sensors}", "interval_s": 0.1},
+        thermal={"soft_limit_c": 80, "hard_limit_c": 87, "hysteresis_c": 5},
+    )
+    with run_appliance(tmp_path, cfg) as app:
+        app.wait_all_ready()
+        key = (tmp_path / "admin.key").read_text().strip()
+        client = openai.OpenAI(base_url=app.url + "/v1", api_key=key, max_retries=0)
+        write_sensors(sensors, [91])
+        app.wait_for(
+            lambda: status(app, key)["engines"][0]["throttle_level"] == 4, 10, "hard throttle"
+        )
+        with pytest.raises(openai.APIStatusError) as refused:
+            client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2
+            )
+        error = refused.value.response.json()["error"]
+        assert refused.value.status_code == 503
+        assert error["code"] == "queue_timeout", error  # the code clients know
+        assert "hard thermal limit" in error["message"], error
+        assert "GPU 0 at 91 °C" in error["message"] and "87 °C" in error["message"], error
+        assert int(refused.value.response.headers["Retry-After"]) >= 1
+        write_sensors(sensors, [60])
+        app.wait_for(
+            lambda: status(app, key)["engines"][0]["throttle_level"] == 0, 10, "cooled down"
+        )
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2
+        )

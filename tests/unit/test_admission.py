@@ -17,6 +17,7 @@ from appliance.engine import EngineState
 from appliance.gateway.admission import Admission
 from appliance.gateway.errors import GatewayError
 from appliance.gateway.ratelimit import RateLimiter
+from appliance.gateway.wait_queue import Waiter, WaitQueue, fair_order
 
 
 def make(
@@ -30,13 +31,17 @@ def make(
     aging_s: float = 10.0,
     max_model_len: int = 16,
     clock: Callable[[], float] = time.monotonic,
+    key_token_share: float = 1.0,
 ) -> tuple[Admission, list[EngineStatus], list[str]]:
     cfg = Config(
         engine=EngineConfig(
             max_inflight=max_inflight, max_inflight_tokens=tokens, max_model_len=max_model_len
         ),
         gateway=GatewayConfig(
-            max_queue=max_queue, queue_timeout_s=queue_timeout_s, queue_aging_s=aging_s
+            max_queue=max_queue,
+            queue_timeout_s=queue_timeout_s,
+            queue_aging_s=aging_s,
+            key_token_share=key_token_share,
         ),
     )
     snaps = [
@@ -397,3 +402,108 @@ async def test_an_on_demand_model_whose_every_engine_failed_is_refused_at_once()
         await asyncio.wait_for(adm.acquire(10, model="m", load_wait_s=60.0), 1)
     assert (err.value.status, err.value.code) == (503, "no_engine")
     assert rejected == ["no_engine", "no_engine"] and adm.queue_depth == 0
+
+
+# ---- per key: max_inflight and key_token_share (issue 33 item 2, issue 35) -----------------
+async def test_a_key_at_its_max_inflight_waits_and_others_pass_it() -> None:
+    adm, _, _ = make(n=1, max_inflight=4, max_queue=8)
+    first = await adm.acquire(10, key="aaaaaaaa", key_cap=1)
+    # Room on the engine, but the key is at its cap: it waits, it is not refused.
+    second = asyncio.ensure_future(adm.acquire(10, key="aaaaaaaa", key_cap=1))
+    await asyncio.sleep(0)
+    assert not second.done() and adm.queue_depth == 1
+    # Another key goes past it, to the free slots.
+    assert await adm.acquire(10, key="bbbbbbbb") == 0
+    assert adm.key_inflight("aaaaaaaa") == 1 and adm.key_inflight("bbbbbbbb") == 1
+    adm.release(first, 10, "aaaaaaaa")
+    assert await second == 0  # its own release serves it
+    assert adm.key_inflight("aaaaaaaa") == 1
+
+
+async def test_a_capped_waiter_that_aged_does_not_hold_the_line() -> None:
+    clock = Clock()
+    adm, _, _ = make(n=1, max_inflight=4, max_queue=8, aging_s=0.0, clock=clock)
+    await adm.acquire(10, key="aaaaaaaa", key_cap=1)
+    capped = asyncio.ensure_future(adm.acquire(10, key="aaaaaaaa", key_cap=1))
+    await asyncio.sleep(0)
+    clock.now += 60
+    assert await adm.acquire(10, key="bbbbbbbb") == 0  # passes the aged capped waiter
+    assert not capped.done()
+    capped.cancel()
+
+
+async def test_a_key_over_its_token_share_lets_another_keys_waiter_go_first() -> None:
+    adm, _, _ = make(n=1, max_inflight=8, tokens=1000, max_queue=8, key_token_share=0.5)
+    a1 = await adm.acquire(600, key="aaaaaaaa")  # nobody waits: it may hold more than half
+    b = asyncio.ensure_future(adm.acquire(500, key="bbbbbbbb"))  # does not fit now
+    await asyncio.sleep(0)
+    # A holds 600 > half of 1000 while B waits: its next request waits too, although it
+    # would fit (600 + 200 <= 1000) and is smaller than B's.
+    a2 = asyncio.ensure_future(adm.acquire(200, key="aaaaaaaa"))
+    await asyncio.sleep(0)
+    assert not b.done() and not a2.done() and adm.queue_depth == 2
+    adm.release(a1, 600, "aaaaaaaa")
+    assert await b == 0
+    assert await a2 == 0  # then A's, within its share again
+
+
+async def test_without_a_share_bound_a_key_passes_the_waiter_it_keeps_out() -> None:
+    """The same with key_token_share = 1: the old behaviour, which let one key keep
+    another's request waiting as long as it kept sending small ones."""
+    adm, _, _ = make(n=1, max_inflight=8, tokens=1000, max_queue=8, key_token_share=1.0)
+    await adm.acquire(600, key="aaaaaaaa")
+    b = asyncio.ensure_future(adm.acquire(500, key="bbbbbbbb"))
+    await asyncio.sleep(0)
+    assert await adm.acquire(200, key="aaaaaaaa") == 0
+    assert not b.done()
+    b.cancel()
+
+
+async def test_a_key_with_nothing_in_flight_is_never_held_back_by_its_share() -> None:
+    adm, _, _ = make(n=1, max_inflight=8, tokens=1000, max_queue=8, key_token_share=0.1)
+    a1 = await adm.acquire(800, key="aaaaaaaa")
+    b = asyncio.ensure_future(adm.acquire(500, key="bbbbbbbb"))
+    c = asyncio.ensure_future(adm.acquire(150, key="cccccccc"))  # more than its share
+    await asyncio.sleep(0)
+    assert await c == 0  # holds nothing: one request whatever the share
+    adm.release(a1, 800, "aaaaaaaa")
+    assert await b == 0
+
+
+# ---- fair share between keys (issue 35 item 2) -------------------------------------------
+async def test_a_freed_slot_goes_to_the_waiting_key_with_the_fewest_in_flight() -> None:
+    adm, _, _ = make(n=1, max_inflight=4, max_queue=64)
+    running = [await adm.acquire(1, key="aaaaaaaa") for _ in range(4)]
+    flood = [asyncio.ensure_future(adm.acquire(1, key="aaaaaaaa")) for _ in range(10)]
+    await asyncio.sleep(0)
+    other = asyncio.ensure_future(adm.acquire(1, key="bbbbbbbb"))  # came last
+    await asyncio.sleep(0)
+    assert adm.queue_depth == 11
+    adm.release(running[0], 1, "aaaaaaaa")
+    assert await other == 0  # the next free slot, not behind A's ten
+    assert not any(f.done() for f in flood)
+    adm.release(running[1], 1, "aaaaaaaa")
+    assert await asyncio.wait_for(flood[0], 5) == 0  # then A's, in A's order
+    assert not any(f.done() for f in flood[1:])
+    for f in flood:
+        f.cancel()
+
+
+@pytest.mark.parametrize(
+    ("queued", "in_flight", "served"),
+    [
+        # (key of each waiter, in arrival order), in flight per key, the order served
+        ("AAAB", {}, "ABAA"),  # B's first goes after A's first: both have none running
+        ("AAAB", {"A": 4}, "BAAA"),  # A runs four: B first, then A's in A's order
+        ("ABAB", {"A": 1, "B": 1}, "ABAB"),  # even: arrival order
+        ("BBAA", {"B": 1}, "ABAB"),  # ties go to who waited longest
+        ("AAA", {"A": 9}, "AAA"),  # one key: its order
+    ],
+)
+async def test_fair_order(queued: str, in_flight: dict[str, int], served: str) -> None:
+    queue = WaitQueue()
+    for key in queued:
+        queue.add(Waiter(1, None, frozenset(), False, 0.0, None, key))
+    got = fair_order(queue.interactive, lambda k: in_flight.get(k, 0))
+    assert "".join(str(w.key) for w in got) == served
+    assert [w.seq for w in got if w.key == "A"] == sorted(w.seq for w in got if w.key == "A")

@@ -180,6 +180,7 @@ def test_record_scopes_and_public_dict(store: KeyStore) -> None:
         "created_at",
         "expires_at",
         "fallback",
+        "max_inflight",
     }
     assert both.key_hash not in repr(both)
 
@@ -387,6 +388,7 @@ def test_file_and_directory_modes_and_no_secret_on_disk(store: KeyStore, keys_pa
         "created_at",
         "expires_at",
         "fallback",
+        "max_inflight",
         "key_hash",
     }
 
@@ -648,6 +650,25 @@ def test_watcher_removed_file_means_no_keys(store: KeyStore, keys_path: Path) ->
     keys_path.unlink()
     assert watcher.poll() is True
     assert store.authenticate(key) is None
+
+
+def test_the_watcher_says_when_other_keys_are_in_force(store: KeyStore, keys_path: Path) -> None:
+    """on_change is the gateway's cue to end a revoked key's open requests
+    (gateway/open_requests.py): after each reload that changed the keys, and a removal."""
+    rec, _ = store.create(name="a")
+    changes: list[tuple[str, ...]] = []
+    watcher = KeyWatcher(
+        store, on_change=lambda: changes.append(tuple(r.id for r in store.records))
+    )
+    assert watcher.poll() is True and changes == []  # nothing changed
+    other = KeyStore(keys_path)
+    other.load()
+    other.revoke(rec.id)  # `keys revoke` in another process
+    assert watcher.reload_now() is True
+    assert changes == [()]
+    keys_path.unlink()
+    assert watcher.poll() is True
+    assert changes == [(), ()]
 
 
 def test_reload_now_reads_even_when_stat_is_unchanged(store: KeyStore, keys_path: Path) -> None:

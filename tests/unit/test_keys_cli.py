@@ -193,6 +193,8 @@ def test_list_rows_start_with_the_id_and_never_show_a_secret(run: Run) -> None:
         "--expires-days",
         "3",
         "--no-fallback",
+        "--max-inflight",
+        "4",
     )
     keys = [out1.strip(), out2.strip()]
     ids = [k.split("-")[2] for k in keys]
@@ -209,6 +211,7 @@ def test_list_rows_start_with_the_id_and_never_show_a_secret(run: Run) -> None:
         "TPM",
         "PRIORITY",
         "FALLBACK",
+        "INFLIGHT",
         "EXPIRES",
         "CREATED",
         "STATUS",
@@ -220,6 +223,8 @@ def test_list_rows_start_with_the_id_and_never_show_a_secret(run: Run) -> None:
     assert "ops" in rows[1] and "admin" in rows[1] and "10" in rows[1]
     fallback = header.index("FALLBACK")
     assert [row[fallback : fallback + 3].strip() for row in rows] == ["yes", "no"]
+    inflight = header.index("INFLIGHT")
+    assert [row[inflight : inflight + 8].split()[0] for row in rows] == ["-", "4"]
     for key in keys:
         assert key not in out
         assert key.split("-", 3)[3] not in out
@@ -228,6 +233,7 @@ def test_list_rows_start_with_the_id_and_never_show_a_secret(run: Run) -> None:
     assert code == 0
     data = json.loads(out)
     assert [d["id"] for d in data] == ids
+    assert [d["max_inflight"] for d in data] == [0, 4]
     assert all(d["status"] == "active" for d in data)
     assert all("key_hash" not in d for d in data)
     for key in keys:
@@ -382,3 +388,10 @@ def test_a_symlinked_lock_is_refused_with_one_line_and_exit_1(
         before[1].st_gid,
         before[1].st_mode,
     )
+
+
+def test_max_inflight_is_a_whole_number_from_0(run: Run) -> None:
+    for bad in ("-1", "1.5", "x", "100001"):
+        code, out, err = run("keys", "create", "--name", "a", "--max-inflight", bad)
+        assert code == 2 and out == "", (bad, err)
+        assert "max_inflight: must be a whole number from 0 (no cap) to 100000" in err

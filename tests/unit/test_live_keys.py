@@ -327,6 +327,9 @@ LIVE_RELOAD = "test_live_reload.py::test_a_sighup_puts_new_limits_in_force"
 DAEMON_ONLY: dict[str, str | None] = {
     "gateway.metrics_public": LIVE_RELOAD,
     "gateway.max_answer_bytes": None,
+    "gateway.stall_timeout_s": None,
+    "gateway.key_token_share": None,
+    "gateway.stored_responses_per_key": None,
     "engine.startup_timeout_s": None,
     "engine.stop_timeout_s": LIVE_RELOAD,
     "telemetry.interval_s": None,

@@ -50,15 +50,18 @@ class _Admission:
     async def acquire(self, cost: int, **_: object) -> int:
         return 0
 
-    def release(self, engine_id: int, cost: int) -> None:
+    def release(self, engine_id: int, cost: int, *_: object) -> None:
         pass
+
+    def unanswered(self, engine_id: int, pid: int | None) -> None:
+        pass  # the engine stays: the retry finds it as dead, and the client gets 502
 
 
 class FakeGateway:
     """What the relay reads of its gateway, for one engine at ``address``."""
 
     def __init__(self, address: EngineAddress, session: Any = None) -> None:
-        status = SimpleNamespace(api_key="engine-key", address=address)
+        status = SimpleNamespace(api_key="engine-key", address=address, pid=None)
         # The relay's view of the appliance (appliance.control.ApplianceView), in part.
         self.appliance = SimpleNamespace(
             config=Config(engine=EngineConfig(served_model_name=MODEL)),
@@ -92,7 +95,9 @@ async def relay_client(gw: FakeGateway) -> AsyncIterator[tuple[TestClient[Any, A
     relay = Relay(cast(Any, gw))
 
     async def chat(request: web.Request) -> web.StreamResponse:
-        request["key"] = SimpleNamespace(id="k", rpm=None, tpm=None, priority="interactive")
+        request["key"] = SimpleNamespace(
+            id="k", rpm=None, tpm=None, priority="interactive", max_inflight=0
+        )
         try:
             return await relay.chat(request)
         except GatewayError as err:

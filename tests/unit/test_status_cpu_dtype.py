@@ -60,7 +60,9 @@ def status_with(
             status=lambda: status, accepting=True, starting=True, engines=tuple, config=config
         ),
         keys=SimpleNamespace(problem=None),
-        admission=SimpleNamespace(queue_depth=0, loads=list, kv_tripped={}, throttle_level={}),
+        admission=SimpleNamespace(
+            queue_depth=0, loads=list, kv_tripped={}, throttle_level={}, top_keys=lambda n: []
+        ),
         state_files=lambda: (),
         model_door=NoModels(),
     )

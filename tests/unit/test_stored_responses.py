@@ -124,3 +124,35 @@ def test_a_replay_counts_nothing() -> None:
     assert got == Usage(0, 0)
     assert REPLAY.reader is not None and REPLAY.reader(b'data: {"usage": null}') == EventUsage(0, 0)
     assert REPLAY.prompt_bound == 0
+
+
+def test_a_key_past_its_share_forgets_its_own_oldest_first() -> None:
+    """Issue 33 item 8: one key storing without end cannot push out another key's."""
+    store = StoredResponses(limit=5, per_key=lambda: 2)
+    store.record("resp_other", held(key="k2"))
+    for i in range(10):
+        store.record(f"resp_{i}", held(key="k1"))
+    assert store.holder("resp_other", "k2", lookup).engine_id == 0  # type: ignore[arg-type]
+    assert store.count("k1") == 2 and store.count("k2") == 1 and len(store) == 3
+    assert store.holder("resp_9", "k1", lookup).engine_id == 0  # type: ignore[arg-type]
+    assert refusal(store, "resp_7").status == 404  # its own oldest went first
+
+
+def test_a_read_keeps_an_id_within_its_keys_share() -> None:
+    store = StoredResponses(per_key=lambda: 2)
+    store.record("resp_a", held())
+    store.record("resp_b", held())
+    store.holder("resp_a", "k1", lookup)  # type: ignore[arg-type]  # used: kept
+    store.record("resp_c", held())
+    assert refusal(store, "resp_b").status == 404
+    assert store.holder("resp_a", "k1", lookup).engine_id == 0  # type: ignore[arg-type]
+
+
+def test_the_whole_maps_bound_keeps_each_keys_count_right() -> None:
+    store = StoredResponses(limit=2, per_key=lambda: 5)
+    store.record("resp_a", held(key="k1"))
+    store.record("resp_b", held(key="k2"))
+    store.record("resp_c", held(key="k2"))  # the map is full: k1's resp_a goes
+    assert store.count("k1") == 0 and store.count("k2") == 2
+    store.record("resp_c", held(1, key="k1"))  # a retry for another key moves the id
+    assert store.count("k1") == 1 and store.count("k2") == 1

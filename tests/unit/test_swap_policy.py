@@ -114,6 +114,26 @@ CASES: list[tuple[str, list[ModelSnap], list[tuple[str, str]]]] = [
         [snap("a", S.LOADED, last_used=0, idle_unload_s=0)],
         [],
     ),
+    (
+        "asleep past idle_unload_s since it left the slot: unloaded fully",
+        [snap("a", S.SLEEPING, last_used=NOW - 2000, left_at=NOW - 901)],
+        [("unload", "a")],
+    ),
+    (
+        "asleep for less than idle_unload_s: stays asleep, however old its last use",
+        [snap("a", S.SLEEPING, last_used=NOW - 2000, left_at=NOW - 10)],
+        [],
+    ),
+    (
+        "asleep and wanted: woken, not unloaded",
+        [snap("a", S.SLEEPING, left_at=NOW - 2000, waiting_since=NOW - 1)],
+        [("load", "a")],
+    ),
+    (
+        "asleep with idle_unload_s = 0: stays asleep",
+        [snap("a", S.SLEEPING, left_at=0, idle_unload_s=0)],
+        [],
+    ),
 ]
 
 

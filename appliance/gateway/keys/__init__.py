@@ -29,6 +29,7 @@ from appliance.gateway.keys.document import KeyRecord, parse_keys_document, rend
 from appliance.gateway.keys.errors import KeysFileError, KeySpecError
 from appliance.gateway.keys.fields import (
     MAX_EXPIRES_DAYS,
+    MAX_INFLIGHT,
     MAX_RPM,
     MAX_TPM,
     PRIORITIES,
@@ -44,6 +45,7 @@ from appliance.gateway.keys.watcher import KeyWatcher
 __all__ = [
     "ADMIN_KEY_FILE",
     "MAX_EXPIRES_DAYS",
+    "MAX_INFLIGHT",
     "MAX_RPM",
     "MAX_TPM",
     "PRIORITIES",

@@ -21,6 +21,7 @@ from appliance.gateway.keys.fields import (
     validate_fallback,
     validate_key_hash,
     validate_limit,
+    validate_max_inflight,
     validate_name,
     validate_priority,
     validate_scopes,
@@ -43,6 +44,7 @@ class KeyRecord:
     expires_at: float | None  # Unix time; None: never
     key_hash: str = field(repr=False)
     fallback: bool = True  # its requests may go to their model's fallback model
+    max_inflight: int = 0  # its requests in flight at once, beyond: they wait; 0 = no cap
 
     def is_expired(self, now: float | None = None) -> bool:
         now = time.time() if now is None else now
@@ -64,6 +66,7 @@ class KeyRecord:
             "created_at": self.created_at,
             "expires_at": self.expires_at,
             "fallback": self.fallback,
+            "max_inflight": self.max_inflight,
         }
 
     def stored_dict(self) -> dict[str, Any]:
@@ -100,6 +103,7 @@ def _parse_record(item: object, where: str) -> KeyRecord:
             key_hash=validate_key_hash(key_hash),
             # absent in files written before the field existed: allowed, as before
             fallback=validate_fallback(item.get("fallback")),
+            max_inflight=validate_max_inflight(item.get("max_inflight")),
         )
     except KeySpecError as exc:
         raise ValueError(f"{where}.{exc.field}: {exc.reason}") from None

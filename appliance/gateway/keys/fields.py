@@ -29,6 +29,7 @@ MAX_NAME_LEN = 64
 MAX_RPM = 1_000_000  # requests per minute: far beyond what one box serves
 MAX_TPM = 1_000_000_000  # tokens per minute: likewise
 MAX_EXPIRES_DAYS = 36_500  # 100 years: a key that should outlive that needs no expiry
+MAX_INFLIGHT = 100_000  # requests in flight per key: far beyond what one box runs at once
 _LIMIT_MAXIMA = {"rpm": MAX_RPM, "tpm": MAX_TPM}
 _SHOWN_MAX = 40
 _ID_RE = re.compile(r"[0-9a-f]{8}")
@@ -128,6 +129,20 @@ def validate_fallback(value: object) -> bool:
     if isinstance(value, bool):
         return value
     raise KeySpecError("fallback", f"must be true or false, got {_show(value)}")
+
+
+def validate_max_inflight(value: object) -> int:
+    """The most requests the key has in flight at once (issue 35): beyond it its requests
+    wait in the queue, they are not refused. A whole number from 0 (no cap) to
+    MAX_INFLIGHT; None: 0 (keys made before the field existed, and the default)."""
+    if value is None:
+        return 0
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_INFLIGHT:
+        return value
+    raise KeySpecError(
+        "max_inflight",
+        f"must be a whole number from 0 (no cap) to {MAX_INFLIGHT}; got {_show(value)}",
+    )
 
 
 def validate_expires_days(value: object) -> float | None:

@@ -46,6 +46,7 @@ from appliance.gateway.keys.fields import (
     validate_expires_days,
     validate_fallback,
     validate_limit,
+    validate_max_inflight,
     validate_name,
     validate_priority,
     validate_scopes,
@@ -249,6 +250,7 @@ class KeyStore:
         expires_days: object = None,
         now: float | None = None,
         fallback: object = None,
+        max_inflight: object = None,
     ) -> tuple[KeyRecord, str]:
         """A validated new record and its full key, not yet added or saved."""
         rec_name = validate_name(name)
@@ -257,6 +259,7 @@ class KeyStore:
         rec_priority = validate_priority(priority)
         days = validate_expires_days(expires_days)
         rec_fallback = validate_fallback(fallback)
+        rec_max_inflight = validate_max_inflight(max_inflight)
         now = time.time() if now is None else now
         key_id = new_key_id(self._records)
         key = new_key(key_id)
@@ -271,6 +274,7 @@ class KeyStore:
             expires_at=None if days is None else round(now + days * 86400, 3),
             key_hash=hash_key(key),
             fallback=rec_fallback,
+            max_inflight=rec_max_inflight,
         )
         return record, key
 
@@ -289,17 +293,17 @@ class KeyStore:
         priority: object = "interactive",
         expires_days: object = None,
         fallback: object = None,
+        max_inflight: object = None,
     ) -> tuple[KeyRecord, str]:
         """Add a key and save; returns (record, full key ``sk-la-<id>-<secret>``). The full
         key exists only in this return value. KeySpecError for bad arguments (nothing is
         written), KeysFileError when the file cannot be read or written."""
         # validate before locking
-        self.new_key(name, scopes, rpm, tpm, priority, expires_days, fallback=fallback)
+        args = (name, scopes, rpm, tpm, priority, expires_days)
+        self.new_key(*args, fallback=fallback, max_inflight=max_inflight)
         with self.locked():
             self.load()  # another process may have changed it; a corrupt file stops here
-            record, key = self.new_key(
-                name, scopes, rpm, tpm, priority, expires_days, fallback=fallback
-            )
+            record, key = self.new_key(*args, fallback=fallback, max_inflight=max_inflight)
             with self._undo_on_failure():
                 self.add(record)
                 self.save()

@@ -20,6 +20,7 @@ import contextlib
 import hashlib
 import logging
 import os
+from collections.abc import Callable
 
 from appliance.gateway.keys.errors import KeysFileError
 from appliance.gateway.keys.store import KeyStore, Signature
@@ -34,9 +35,16 @@ class KeyWatcher:
     distinct content. Never raises out of its loop."""
 
     def __init__(
-        self, store: KeyStore, interval_s: float = 1.0, logger: logging.Logger | None = None
+        self,
+        store: KeyStore,
+        interval_s: float = 1.0,
+        logger: logging.Logger | None = None,
+        on_change: Callable[[], None] = lambda: None,
     ) -> None:
         self.store = store
+        # Called in the loop after other keys were put in force (the open requests of a
+        # key no longer valid are ended: gateway/open_requests.py).
+        self.on_change = on_change
         self.interval_s = interval_s
         self.log = logger or log
         self._seen: Signature | None = store.signature
@@ -111,6 +119,7 @@ class KeyWatcher:
         """The file is gone: no key is accepted (fail closed)."""
         had = len(self.store.records)
         self.store.apply(None, None)
+        self.on_change()
         if had or self._reported is not None:
             self.log.warning(
                 "keys file %s is gone: no key is accepted until it is back "
@@ -131,6 +140,7 @@ class KeyWatcher:
             self._report(digest, f"keys file {self.store.path} is invalid ({exc})")
             return False
         self._reported = None
+        self.on_change()
         self.log.info(
             "keys file %s reloaded: %d key(s) in force", self.store.path, len(self.store.records)
         )
