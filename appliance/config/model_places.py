@@ -145,6 +145,14 @@ def locate(model: str, home: Path, env: Mapping[str, str]) -> Located:
     if looks_like_path(model):
         path = Path(model).expanduser()
         if not path.exists():
+            home_of = _setup_home_of(path)
+            if home_of is not None:
+                # What set-up makes in an engine home of its own (the Ansible role writes
+                # this path, and check-configs it, before set-up runs there).
+                problem = (
+                    f"{path} is not prepared yet: `llm-appliance setup --home {home_of}` makes it"
+                )
+                return Located(path, problem, "folder", unprepared=True)
             return Located(
                 path, f"{path}: no such folder (models are never downloaded at run time)", "folder"
             )
@@ -159,6 +167,15 @@ def locate(model: str, home: Path, env: Mapping[str, str]) -> Located:
         )
         return Located(None, problem, "model id")
     return Located(cached, not_a_model(cached), "cached")
+
+
+def _setup_home_of(path: Path) -> Path | None:
+    """The home whose set-up puts a packaged model at ``path``, or None."""
+    for packaged in paths.PACKAGED_MODELS.values():
+        parts = packaged.folder.parts
+        if path.parts[-len(parts) :] == parts:
+            return Path(*path.parts[: -len(parts)])
+    return None
 
 
 def engine_env(config: Config, env: Mapping[str, str]) -> dict[str, str]:
@@ -270,9 +287,13 @@ def check_engine_files(
             (warnings if located.unprepared else problems).append(line)
     python = config.engine.python
     if python_needed(config) and python and not _exists(Path(python)):
-        problems.append(
-            f"engine.python = {python!r} does not exist; fix the path or set "
-            f'it to "" and {SETUP_HINT}'
+        # A warning, not a refusal: the Ansible role writes (and check-configs) the
+        # config before set-up makes the venv in its own engine home, where this path
+        # points. serve and doctor still refuse a python that is not there.
+        warnings.append(
+            f"engine.python = {python!r} does not exist (yet): fix the path, or make "
+            f"that venv with `llm-appliance setup --home DIR`; serve will not start "
+            "without it"
         )
     elif python_needed(config) and not python and not _exists(paths.engine_python(home)):
         warnings.append(

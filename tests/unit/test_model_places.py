@@ -139,6 +139,26 @@ def test_a_packaged_model_set_up_has_not_prepared_yet_is_a_warning(
     assert "is not prepared" in err and "llm-appliance setup" in err
 
 
+def test_an_engine_home_of_its_own_not_made_yet_is_a_warning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The role's llm_appliance_engine_home writes these two paths and check-configs the
+    # config before set-up runs there: the role would fail on every fresh box otherwise.
+    _home(_private(tmp_path))
+    own = tmp_path / "engine-home"
+    text = (
+        f'[engine]\npython = "{own}/engine-venv/bin/python"\n'
+        f'model = "{own}/models/SmolLM2-135M-Instruct"\n'
+    )
+    code, err = _check(tmp_path, monkeypatch, capsys, text)
+    assert code == 0, err
+    assert f"warning: engine.python = '{own}/engine-venv/bin/python' does not exist (yet)" in err
+    assert f"is not prepared yet: `llm-appliance setup --home {own}` makes it" in err
+    # Any other missing folder is still a refusal.
+    code, err = _check(tmp_path, monkeypatch, capsys, f'[engine]\nmodel = "{own}/coder-7b"\n')
+    assert code == 2 and "no such folder" in err
+
+
 def test_doctor_checks_every_model_not_only_the_packaged_one(tmp_path: Path) -> None:
     base = _private(tmp_path)
     home = _home(base)
