@@ -182,7 +182,10 @@ def test_a_client_that_sends_its_request_head_slowly_is_cut_off(
     status, _, body = parse(raw)
     assert status == 408
     assert openai_error(body)["code"] == "header_timeout"
-    assert TIMEOUT_S * 0.95 <= elapsed < TIMEOUT_S + 1.5
+    # The lower bound is the point: cut at the timeout, counted from the first byte. A
+    # byte comes every 0.1 s, so a timer each byte resets never fires (trickle fails at
+    # 30 s); the upper bound leaves a busy machine its room.
+    assert TIMEOUT_S * 0.95 <= elapsed < TIMEOUT_S + 5
 
 
 def test_a_client_that_sends_its_body_slowly_gets_408_and_is_closed(
@@ -198,12 +201,15 @@ def test_a_client_that_sends_its_body_slowly_gets_408_and_is_closed(
     assert status == 408, raw[:300]
     assert headers["connection"].lower() == "close"
     assert openai_error(body)["code"] == "body_timeout"
-    assert TIMEOUT_S * 0.95 <= elapsed < TIMEOUT_S + 1.5
+    # Cut at the timeout, not after another 10 s of aiohttp's read-and-discard: the upper
+    # bound sits halfway, leaving a busy machine its room. (Counted from the head, not
+    # from the last byte: tests/unit/test_gateway_server.py tells the two apart.)
+    assert TIMEOUT_S * 0.95 <= elapsed < TIMEOUT_S + 5
     # Without a key the answer (401) comes first; the trickle is still cut at the
     # body timeout, not kept for aiohttp's 10 s read-and-discard.
     raw, elapsed = trickle(port_of(app), head.replace(key.encode(), b"sk-la-wrong"), b" ")
     assert parse(raw)[0] == 401
-    assert elapsed < TIMEOUT_S + 3
+    assert elapsed < TIMEOUT_S + 5
 
 
 def test_a_long_answer_to_a_slow_reader_is_not_cut_by_the_request_timeouts(
@@ -252,7 +258,10 @@ def test_connections_beyond_the_cap_are_refused_at_once_while_open_ones_work(
         for _ in range(5):
             started = time.monotonic()
             raw = send_and_read_all(port, b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n")
-            assert time.monotonic() - started < 1.0
+            # The 503 itself shows it was refused, not queued (a queued one would wait for
+            # a held connection, which never closes here, or get the header timeout's
+            # 408): the bound is only against a hang, with room for a busy machine.
+            assert time.monotonic() - started < 5.0
             status, headers, body = parse(raw)
             assert status == 503
             assert headers["retry-after"] == "1"
@@ -330,7 +339,10 @@ def test_compressed_bodies_are_refused_unread_with_415_and_freeze_nothing(
     # Inflating the four would take about 5 s of CPU (1.3 s each here); reading them raw
     # and throwing them away costs a small part of one.
     assert cpu_used < 1.0, cpu_used
-    assert slowest < 1.0, slowest  # was 6.6 s: the loop never stalls on a body
+    # Was 6.6 s: the loop never stalls on a body. CPU time above says no body was
+    # inflated; this wall-clock bound, with room for a busy machine, that /healthz kept
+    # being answered meanwhile.
+    assert slowest < 3.0, slowest
     assert "Traceback" not in app.log()
     # With a key, and for every encoding but identity, the answer is the same.
     for encoding in ("gzip", "deflate", "br", "zstd", "x-unknown", "identity, gzip"):

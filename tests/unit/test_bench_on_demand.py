@@ -47,7 +47,7 @@ def test_ttft_summary_and_table() -> None:
 
 
 def test_chart_is_written(tmp_path: Path) -> None:
-    pytest.importorskip("matplotlib")
+    pytest.importorskip("matplotlib", reason="matplotlib (the bench extra) is missing")
     result = {
         "ttft": ttft_summary({"sleep": {"loaded": [0.01], "asleep, slot free": [0.5]}}),
         "swaps": swap_figures(

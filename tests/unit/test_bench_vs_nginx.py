@@ -65,6 +65,7 @@ def test_nginx_is_a_plain_unbuffered_keep_alive_proxy_to_the_socket(tmp_path: Pa
 
 
 def test_chart_of_both_proxies(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib", reason="matplotlib (the bench extra) is missing")
     figs = figures(argparse.Namespace(levels=[1]), accs(), ["appliance", "nginx"])
     out = tmp_path / "vs.png"
     plots.vs_nginx(figs, out)

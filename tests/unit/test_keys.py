@@ -684,24 +684,44 @@ def test_reload_now_reads_even_when_stat_is_unchanged(store: KeyStore, keys_path
     assert store.authenticate(key) is None
 
 
-async def test_watcher_sees_a_change_within_two_seconds(store: KeyStore, keys_path: Path) -> None:
+async def test_watcher_puts_a_change_in_force_at_its_next_poll(
+    store: KeyStore, keys_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Picked up "within 2 s" (the journal's promise): a poll every second, and the first
+    poll that starts after a write puts it in force. Counted in polls, not in seconds, so
+    a busy machine that runs the loop late cannot fail it."""
     store.create(name="a")
-    watcher = KeyWatcher(store)  # default interval 1 s
+    watcher = KeyWatcher(store)
+    assert watcher.interval_s == 1.0
+    polls = 0
+    poll = watcher.poll
+
+    def counted(force: bool = False) -> bool:
+        nonlocal polls
+        polls += 1
+        return poll(force)
+
+    monkeypatch.setattr(watcher, "poll", counted)
+
+    async def next_poll() -> None:
+        # A poll runs on this loop, so none is half done while this task runs: the next
+        # one to start comes after the write that came before this call.
+        after = polls
+        for _ in range(600):  # a hang, not a slow machine, outlasts 30 s
+            if polls > after:
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError("the watcher stopped polling")
+
     watcher.start()
     try:
-        await asyncio.sleep(0.05)
         rec, key = await asyncio.to_thread(KeyStore(keys_path).create, name="b")
-        start = time.monotonic()
-        while store.authenticate(key) is None:
-            assert time.monotonic() - start < 2.0, "watcher missed the change"
-            await asyncio.sleep(0.05)
-        assert store.authenticate(key) == rec
+        await next_poll()
+        assert store.authenticate(key) == rec, "watcher missed the change"
 
         await asyncio.to_thread(KeyStore(keys_path).revoke, rec.id)
-        start = time.monotonic()
-        while store.authenticate(key) is not None:
-            assert time.monotonic() - start < 2.0, "watcher missed the revoke"
-            await asyncio.sleep(0.05)
+        await next_poll()
+        assert store.authenticate(key) is None, "watcher missed the revoke"
     finally:
         await watcher.stop()
 

@@ -11,12 +11,15 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
+from unittest import mock
 
 from appliance.config import parse_config
 from appliance.endpoint import EngineAddress
 from appliance.engine import EngineSpec, EngineState
 from appliance.supervisor.commands import Nudge, Park, Restart, Unpark
 from appliance.supervisor.heat import HeatWatch
+from appliance.supervisor.inbox import Inbox
 from appliance.supervisor.runner import EngineRunner
 from appliance.telemetry import GpuReading
 from tests.unit.test_engine_runner import CONFIG, FakeHost, FakeProbe, FakeProcess, until
@@ -38,12 +41,40 @@ class FakeSleeper:
         return "POST /wake_up: HTTP 500" if self.wake_fails else None
 
 
+class Waits:
+    """Whether the runner's task waits with no time limit: down, or asleep, until a
+    command comes (or its engine exits). Nothing else wakes it then: no backoff, no
+    health check, no timer of any kind. Seen from the inbox's naps, the only way the
+    runner's task waits for time to pass or for a command."""
+
+    def __init__(self, inbox: Inbox) -> None:
+        self._nap = inbox.nap
+        self.untimed = False
+
+    async def nap(self, timeout_s: float | None, *until: asyncio.Future[Any]) -> bool:
+        if timeout_s is not None:
+            return await self._nap(timeout_s, *until)
+        self.untimed = True
+        try:
+            return await self._nap(timeout_s, *until)
+        finally:
+            self.untimed = False
+
+
 @dataclass
 class One:
     host: FakeHost
     runner: EngineRunner
     proc: FakeProcess
     sleeper: FakeSleeper
+    waits: Waits
+
+    async def settled(self, what: str) -> None:
+        """Until the runner has done all it does by itself: every command told before is
+        carried out (the Nudge is answered after them), and it waits with no time limit.
+        What it has not done by then it does not do until told."""
+        await self.runner.ask(Nudge())
+        await until(lambda: self.waits.untimed, what)
 
 
 class SlowToFree(FakeProcess):
@@ -70,18 +101,20 @@ async def parked_engine(proc: FakeProcess | None = None, **sections: object) -> 
     spec = EngineSpec(0, 0, EngineAddress(uds="/x/e0"), argv, "t-0", on_demand=True, gpus=(0,))
     runner = EngineRunner(spec, host, proc, FakeProbe(), sleeper=sleeper)
     host.runners = [runner]
-    task = asyncio.create_task(runner.run())
-    try:
-        yield One(host, runner, proc, sleeper)
-    finally:
-        host.stopping = True
-        runner.tell(Nudge())
-        await asyncio.wait_for(task, 5)
+    waits = Waits(runner._inbox)
+    with mock.patch.object(runner._inbox, "nap", waits.nap):
+        task = asyncio.create_task(runner.run())
+        try:
+            yield One(host, runner, proc, sleeper, waits)
+        finally:
+            host.stopping = True
+            runner.tell(Nudge())
+            await asyncio.wait_for(task, 5)
 
 
 async def test_an_on_demand_engine_is_not_started_until_its_model_is_loaded() -> None:
     async with parked_engine() as e:
-        await asyncio.sleep(0.2)  # the runner had every chance to start it
+        await e.settled("down until its model is loaded")
         assert (e.proc.spawns, e.runner.state) == (0, S.EXITED)
         e.runner.tell(Unpark())
         await until(lambda: e.runner.state is S.READY, "started")
@@ -94,7 +127,7 @@ async def test_put_away_by_stop_it_drains_stops_and_stays_down_uncounted() -> No
         await until(lambda: e.runner.state is S.READY, "started")
         e.runner.tell(Park(sleep=False))
         await until(lambda: e.runner.state is S.EXITED, "stopped")
-        await asyncio.sleep(0.3)  # no backoff and restart follow
+        await e.settled("down, no backoff and restart to come")
         assert e.proc.spawns == 1 and len(e.proc.kills) == 1
         assert S.DRAINING in [s for _, s in e.host.seen]  # drained before it went
         assert e.runner.status().restarts == 0  # an unload is not a restart
@@ -148,7 +181,7 @@ async def test_an_admin_restart_of_a_failed_parked_engine_leaves_it_down_until_l
         e.runner.tell(Park(sleep=False))
         assert (await e.runner.ask(Restart())).ok
         await until(lambda: e.runner.state is S.EXITED, "down, no longer FAILED")
-        await asyncio.sleep(0.2)
+        await e.settled("down until its model is loaded")
         assert e.proc.spawns == 2
         e.runner.tell(Unpark())
         await until(lambda: e.proc.spawns == 3 and e.runner.state is S.READY, "loaded")
@@ -187,7 +220,7 @@ async def test_a_crash_while_asleep_waits_for_the_next_load() -> None:
         await until(lambda: e.runner.state is S.SLEEPING, "asleep")
         e.proc.crash(1)
         await until(lambda: e.runner.state is S.EXITED, "gone")
-        await asyncio.sleep(0.3)
+        await e.settled("down until its model is loaded")
         assert e.proc.spawns == 1  # not restarted while its model is put away
         e.runner.tell(Unpark())
         await until(lambda: e.proc.spawns == 2 and e.runner.state is S.READY, "loaded again")
@@ -205,7 +238,7 @@ async def test_heat_while_asleep_restarts_it_only_once_woken() -> None:
         for now in (100.0, 131.0):
             heat.govern([e.runner], e.host.link, now)
             await e.runner.ask(Nudge())
-        await asyncio.sleep(0.3)
+        await e.settled("asleep until its model is loaded")
         assert (e.runner.state, e.proc.spawns) == (S.SLEEPING, 1)  # asleep: no restart
         e.runner.tell(Unpark())
         await until(lambda: e.proc.spawns == 2 and e.runner.state is S.READY, "restarted")

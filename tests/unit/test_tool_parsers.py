@@ -1,20 +1,17 @@
 """``tool_call_parser``, ``reasoning_parser`` and ``responses_store``: what check-config
 says, what the engine is started with, and which requests the gateway refuses without a
-parser (the refusal a client reads), checked against the installed vLLM where there is one.
+parser (the refusal a client reads). The names checked against the installed vLLM's
+registries: tests/e2e/test_real_parser_names.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import subprocess
 from typing import Any
 
 import pytest
 
-from appliance import paths
 from appliance.config import Config, parse_config
-from appliance.config.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
 from appliance.endpoint import EngineAddress
 from appliance.engine import build_argv, build_env
 from appliance.errors import ConfigError
@@ -133,33 +130,6 @@ def test_responses_store_sets_vllms_variable(store: bool, value: str) -> None:
     cfg = parse_config({"engine": {"responses_store": store}})
     env = build_env(cfg.engine, {}, gpus=(), cpu_bind=None, engine_tag="t")
     assert env["VLLM_ENABLE_RESPONSES_API_STORE"] == value
-
-
-# ---- the names, against the installed vLLM -----------------------------------------------
-LIST_REGISTRIES = """
-import json
-from vllm.tool_parsers import ToolParserManager
-from vllm.reasoning import ReasoningParserManager
-r = ReasoningParserManager
-print(json.dumps([ToolParserManager.list_registered(),
-                  sorted(set(r.reasoning_parsers) | set(r.lazy_parsers))]))
-"""
-
-
-def test_the_names_are_the_installed_vllms() -> None:
-    python = paths.engine_python(paths.appliance_home())
-    if not python.exists():
-        pytest.skip(f"no engine venv at {python}: run `scripts/setup` to compare with vLLM")
-    out = subprocess.run(
-        [str(python), "-c", LIST_REGISTRIES],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-    ).stdout
-    tools, reasoning = json.loads(out.strip().splitlines()[-1])
-    assert sorted(TOOL_CALL_PARSERS) == tools
-    assert sorted(REASONING_PARSERS) == reasoning
 
 
 # ---- the gateway's refusal ---------------------------------------------------------------

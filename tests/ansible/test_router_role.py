@@ -2,9 +2,11 @@
 checks, and the router arguments it writes for an inventory of boxes, read back as
 systemd reads them and parsed by the real vllm-router's own argument parser.
 
-Render-and-lint here; the converge itself, with the router from PyPI running under a
-real systemd, is tests/systemd/test_router_under_systemd.py. The whole ansible/ folder,
-this role included, is linted by tests/ansible/test_role_static.py.
+Render-and-lint here, with ansible-playbook (and, once, vllm-router installed from PyPI
+into a cached venv); the checks of the role's files that need neither are
+tests/unit/test_router_role_files.py. The converge itself, with the router running
+under a real systemd, is tests/systemd/test_router_under_systemd.py. The whole ansible/
+folder, this role included, is linted by tests/ansible/test_role_static.py.
 """
 
 from __future__ import annotations
@@ -19,13 +21,12 @@ from typing import Any
 import pytest
 
 from tests.ansible.test_role_static import ANSIBLE_DIR, ANSIBLE_PLAYBOOK, _run
-from tests.fakes.router_proc import ROUTER_VERSION, install_router
+from tests.fakes.router_proc import install_router
 
 pytestmark = pytest.mark.skipif(
     ANSIBLE_PLAYBOOK is None,
     reason="ansible-core is not installed (pip install -r ansible/requirements-dev.txt)",
 )
-yaml = pytest.importorskip("yaml", reason="PyYAML comes with ansible-core, which is missing")
 
 ROLE = ANSIBLE_DIR / "roles" / "llm_appliance_router"
 BOX2 = "llm_appliance_gateway_tls_cert=/etc/ssl/box.pem llm_appliance_gateway_port=8443"
@@ -103,18 +104,6 @@ def test_front_playbook_syntax(tmp_path: Path) -> None:
         tmp_path,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-
-
-def test_defaults_match_the_argument_specs() -> None:
-    defaults = yaml.safe_load((ROLE / "defaults/main.yml").read_text())
-    specs = yaml.safe_load((ROLE / "meta/argument_specs.yml").read_text())
-    options = specs["argument_specs"]["main"]["options"]
-    assert {k: v["default"] for k, v in options.items()} == defaults
-
-
-def test_router_version_is_the_one_the_tests_run() -> None:
-    defaults = yaml.safe_load((ROLE / "defaults/main.yml").read_text())
-    assert defaults["llm_appliance_router_version"] == ROUTER_VERSION
 
 
 def test_workers_are_the_boxes_gateways(tmp_path: Path) -> None:
