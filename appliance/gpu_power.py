@@ -7,8 +7,9 @@ governor's lever, costs throughput about as fast as it saves heat.
 
 Why a command of its own: setting a GPU's power limit needs root, and the daemon runs
 unprivileged as the service account with no capability at all. The unit runs this
-command, and only it, with full privileges (``ExecStartPre=+... gpu-power apply`` and
-``ExecStopPost=+... gpu-power restore``), so the privileged step is one short process
+command, and only it, with full privileges (``ExecStartPre=-+... gpu-power apply`` and
+``ExecStopPost=-+... gpu-power restore``; ``-``: a failure is in the journal but does
+not stop the service), so the privileged step is one short process
 that reads the config, talks to NVML and exits; nothing the daemon or a client sends
 reaches it.
 
@@ -36,6 +37,7 @@ audit trail beside the keys file and to the journal), with the watts asked, set 
 card's range. A GPU that refuses (``NoPermission``, ``NotSupported``: a card without
 power management) or that NVML cannot reach is one line on stderr naming it and why; the
 others are still done, and the command exits 1. Not root: exit 1 before NVML is touched.
+A config that cannot be used: the GPUs in the record are still put back, then exit 2.
 """
 
 from __future__ import annotations
@@ -53,8 +55,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from appliance.audit import AuditLog, audit_path, to_syslog
-from appliance.config import Config, load_config
-from appliance.errors import ApplianceError
+from appliance.config import Config, load_config, parse_config
+from appliance.errors import ApplianceError, ConfigError
 from appliance.fsutil import SAFE_OPEN, atomic_write
 from appliance.policy.power_limit import clamp_limit_mw
 
@@ -274,8 +276,20 @@ def _open_nvml(config: Config) -> Any | None:
 
 def run(args: argparse.Namespace) -> int:
     action: Action = args.action
-    config = load_config(args.config)
     record = record_path()
+    try:
+        config = load_config(args.config)
+    except ConfigError:
+        # A config that cannot be used asks for no limit, and what this command set earlier
+        # needs none to be put back: a typo must not leave the GPUs limited while the
+        # service is down. Then the problem is reported (exit 2).
+        if read_record(record):
+            _power(action, parse_config({}), record)
+        raise
+    return _power(action, config, record)
+
+
+def _power(action: Action, config: Config, record: Path) -> int:
     if config.thermal.power_limit_w == 0 and not read_record(record):
         # Nothing asked, nothing of ours to undo: NVML is not even opened (a CPU box).
         print(f"gpu-power {action}: thermal.power_limit_w = 0, no GPU limit of ours to undo")

@@ -247,3 +247,15 @@ def test_a_bad_value_is_a_config_error(box: Box, capsys: pytest.CaptureFixture[s
     box.configure(-5)
     rc, _, err = box.run("apply", capsys)
     assert rc == 2 and "thermal.power_limit_w" in err
+
+
+@pytest.mark.parametrize("action", ["apply", "restore"])
+def test_a_config_broken_while_running_still_gets_the_default_back(
+    box: Box, capsys: pytest.CaptureFixture[str], action: str
+) -> None:
+    box.configure(300)
+    assert box.run("apply", capsys)[0] == 0
+    box.config.write_text('[thermal]\npower_limit_w = "300"\n')  # a typo, then a stop
+    rc, _out, err = box.run(action, capsys)
+    assert rc == 2 and "thermal.power_limit_w" in err
+    assert box.limits_w() == [450, 450] and not box.record.exists()
