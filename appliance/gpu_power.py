@@ -284,12 +284,13 @@ def run(args: argparse.Namespace) -> int:
         # needs none to be put back: a typo must not leave the GPUs limited while the
         # service is down. Then the problem is reported (exit 2).
         if read_record(record):
-            _power(action, parse_config({}), record)
+            # Where audit.log lives is the config's to say: the journal only, this time.
+            _power(action, parse_config({}), record, audit_file=None)
         raise
-    return _power(action, config, record)
+    return _power(action, config, record, audit_path(Path(config.gateway.keys_file)))
 
 
-def _power(action: Action, config: Config, record: Path) -> int:
+def _power(action: Action, config: Config, record: Path, audit_file: Path | None) -> int:
     if config.thermal.power_limit_w == 0 and not read_record(record):
         # Nothing asked, nothing of ours to undo: NVML is not even opened (a CPU box).
         print(f"gpu-power {action}: thermal.power_limit_w = 0, no GPU limit of ours to undo")
@@ -307,7 +308,7 @@ def _power(action: Action, config: Config, record: Path) -> int:
         return 0
     # Under systemd stderr is the journal; from a shell the journal line goes to syslog.
     journal = None if os.environ.get("JOURNAL_STREAM") else to_syslog
-    audit = AuditLog(audit_path(Path(config.gateway.keys_file)), journal=journal, one_shot=True)
+    audit = AuditLog(audit_file, journal=journal, one_shot=True)
     try:
         changes = run_power(action, config, nvml, record, audit)
     except nvml.NVMLError as exc:
