@@ -1,5 +1,5 @@
 """`llm-appliance` command line: serve, check-config, setup, keys, status, doctor, export,
-engines, models.
+engines, gpu-power, models.
 
 Every command takes ``--config PATH``; a config problem ends any of them with exit 2 and
 every problem named, before anything is started. A file the user may not read is one
@@ -203,6 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
     from appliance import admin_cli
 
     admin_cli.add_engines_parser(sub, common)
+    from appliance import gpu_power
+
+    gpu_power.add_parser(sub, common)
     p = sub.add_parser(
         "models",
         parents=[common],

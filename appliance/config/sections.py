@@ -216,6 +216,19 @@ class ThermalConfig:
         "Compared on the heat simulator: docs/rehearse-heat.md.",
         live=True,
     )
+    power_limit_w: int = _f(
+        0,
+        "0 = each GPU keeps its own power limit. Otherwise the power limit (W) set on "
+        "every GPU the appliance uses when it starts, clamped to the card's allowed "
+        "range, and the card's default restored when it stops: by `llm-appliance "
+        "gpu-power apply|restore`, run as root by the unit (ExecStartPre=+ / "
+        "ExecStopPost=+); the daemon itself never changes a GPU setting. A lower limit "
+        "costs little throughput: a published RTX 4090 measurement at 70 % of its "
+        "limit drew 300 W instead of 390 W for 93.4 % of the tokens/s. Takes effect at "
+        "the next start. See docs/rehearse-heat.md.",
+        lo=0,
+        hi=2000,
+    )
     heat_restart_after_s: float = _f(
         0.0,
         "0 = off. A GPU at the hard limit this long gets its engine drained and restarted "

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from appliance.doctor.result import Result, fail, gib, na, ok
+from appliance.policy.power_limit import clamp_limit_mw
 
 T = TypeVar("T")
 
@@ -51,7 +52,9 @@ class GpuInfo:
     memory_total: int | None = None
     memory_used: int | None = None
     temperature_c: float | None = None
-    power_limit_w: float | None = None
+    power_limit_w: float | None = None  # the limit in force (NVML's enforced limit)
+    power_default_w: float | None = None  # the card's own default
+    power_range_mw: tuple[int, int] | None = None  # what a limit may be set to
     persistence: bool | None = None
     processes: tuple[GpuProcess, ...] | None = None  # None: could not be listed
 
@@ -115,6 +118,8 @@ def _gpu(nvml: Any, index: int) -> GpuInfo:
     procs = _read(nvml, lambda: nvml.nvmlDeviceGetComputeRunningProcesses(handle))
     persistence = _read(nvml, lambda: nvml.nvmlDeviceGetPersistenceMode(handle))
     limit_mw = _read(nvml, lambda: nvml.nvmlDeviceGetEnforcedPowerLimit(handle))
+    default_mw = _read(nvml, lambda: nvml.nvmlDeviceGetPowerManagementDefaultLimit(handle))
+    power_range = _read(nvml, lambda: nvml.nvmlDeviceGetPowerManagementLimitConstraints(handle))
     temperature = _read(
         nvml, lambda: nvml.nvmlDeviceGetTemperature(handle, nvml.NVML_TEMPERATURE_GPU)
     )
@@ -126,6 +131,8 @@ def _gpu(nvml: Any, index: int) -> GpuInfo:
         memory_used=None if memory is None else int(memory.used),
         temperature_c=None if temperature is None else float(temperature),
         power_limit_w=None if limit_mw is None else limit_mw / 1000.0,
+        power_default_w=None if default_mw is None else default_mw / 1000.0,
+        power_range_mw=None if power_range is None else (int(power_range[0]), int(power_range[1])),
         persistence=None if persistence is None else persistence == nvml.NVML_FEATURE_ENABLED,
         processes=None
         if procs is None
@@ -154,12 +161,15 @@ def check_nvidia(
     gpu_memory_utilization: float = 0.9,
     driver_loaded: bool = False,
     describe_pid: Callable[[int], tuple[str, bool]] = lambda pid: (f"pid {pid}", False),
+    power_limit_w: int = 0,
 ) -> list[Result]:
     """The "nvidia" line, then one line per GPU.
 
     ``device``: the config's engine.device; ``driver_loaded``: the kernel module is there
     (``/proc/driver/nvidia/version``); ``describe_pid(pid)`` -> (a label such as
-    "python (pid 42)", whether it is one of the appliance's own processes).
+    "python (pid 42)", whether it is one of the appliance's own processes);
+    ``power_limit_w``: the config's thermal.power_limit_w, compared with the limit in force
+    on the GPUs the engines use.
     """
     if probe.error is not None:
         return [_nvml_unusable(probe, device, driver_loaded)]
@@ -170,12 +180,18 @@ def check_nvidia(
     head = f"driver {probe.driver_version or '?'}, {count} GPU(s)"
     if device == "cpu":
         lines = [ok("nvidia", f'{head}, not used (engine.device = "cpu")', **data)]
-        return lines + [_gpu_line(g, None, describe_pid) for g in probe.gpus]
+        return lines + [_gpu_line(g, None, describe_pid, 0) for g in probe.gpus]
     first = _nvidia_line(head, gpus_setting, count, data)
     used = set(selected_gpus(gpus_setting, count))
     budget = gpu_memory_utilization
     return [first] + [
-        _gpu_line(g, budget if g.index in used else None, describe_pid) for g in probe.gpus
+        _gpu_line(
+            g,
+            budget if g.index in used else None,
+            describe_pid,
+            power_limit_w if g.index in used else 0,
+        )
+        for g in probe.gpus
     ]
 
 
@@ -229,15 +245,42 @@ def _nvml_unusable(probe: NvidiaProbe, device: str, driver_loaded: bool) -> Resu
     return fail("nvidia", f"{loaded}NVML cannot be used ({probe.error})", fix, **data)
 
 
+def _power_part(g: GpuInfo, wanted_w: int) -> str:
+    """The limit in force, the card's default when it differs, and whether
+    thermal.power_limit_w (``wanted_w``; 0 = not set) is what is in force. Not a failure
+    when it is not: `gpu-power restore` puts the default back whenever the service stops,
+    and the unit sets it again at start."""
+    if g.power_limit_w is None:
+        return "power limit ?"
+    text = f"power limit {g.power_limit_w:.0f} W"
+    if g.power_default_w is not None and round(g.power_default_w) != round(g.power_limit_w):
+        text += f" (card default {g.power_default_w:.0f} W)"
+    if not wanted_w:
+        return text
+    want_mw = wanted_w * 1000
+    if g.power_range_mw is not None:
+        want_mw = clamp_limit_mw(wanted_w, *g.power_range_mw)[0]
+    if round(g.power_limit_w) == round(want_mw / 1000):
+        return text + " as thermal.power_limit_w sets it"
+    return (
+        text + f", not thermal.power_limit_w's {want_mw / 1000:.0f} W (the unit sets it at "
+        "start: `systemctl restart llm-appliance`, or `sudo llm-appliance gpu-power apply`)"
+    )
+
+
 def _gpu_line(
-    g: GpuInfo, utilization: float | None, describe_pid: Callable[[int], tuple[str, bool]]
+    g: GpuInfo,
+    utilization: float | None,
+    describe_pid: Callable[[int], tuple[str, bool]],
+    power_limit_w: int,
 ) -> Result:
-    """One GPU; ``utilization``: engine.gpu_memory_utilization when an engine will use it."""
+    """One GPU; ``utilization``: engine.gpu_memory_utilization when an engine will use it;
+    ``power_limit_w``: thermal.power_limit_w for a GPU an engine uses (0 otherwise)."""
     parts = [
         g.name or "unknown GPU",
         f"{gib(g.memory_total)} ({gib(g.memory_used)} used)",
         "temperature ?" if g.temperature_c is None else f"{g.temperature_c:.0f} °C",
-        "power limit ?" if g.power_limit_w is None else f"power limit {g.power_limit_w:.0f} W",
+        _power_part(g, power_limit_w),
         {True: "persistence on", False: "persistence off", None: "persistence ?"}[g.persistence],
     ]
     foreign = _foreign_processes(g, describe_pid)
@@ -288,6 +331,7 @@ def _gpu_data(
         "memory_used_bytes": g.memory_used,
         "temperature_c": g.temperature_c,
         "power_limit_w": g.power_limit_w,
+        "power_default_w": g.power_default_w,
         "persistence": g.persistence,
         "foreign_processes": [{"process": label, "used_bytes": b} for label, b in foreign],
         "used_by_engines": utilization is not None,

@@ -163,6 +163,7 @@ def _nvidia_checks(nv: NvidiaProbe, config: Config | None, probes: Probes) -> li
         gpu_memory_utilization=e.gpu_memory_utilization if e is not None else 0.9,
         driver_loaded=probes.driver_loaded(),
         describe_pid=probes.describe_pid,
+        power_limit_w=config.thermal.power_limit_w if config is not None else 0,
     )
 
 

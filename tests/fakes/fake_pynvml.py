@@ -83,7 +83,12 @@ class FakeGpu:
     uuid: str | None = None  # None: "GPU-fake-<index>" assigned by FakeNvml
     temperature_c: Scripted = 45
     power_mw: Scripted = 120_000
-    power_limit_mw: Scripted = 450_000
+    power_limit_mw: Scripted = 450_000  # enforced, and the power management limit
+    # The power-limit range and default (an RTX 4090: 150..600 W, 450 W by default), and
+    # what setting a limit raises (NoPermission when not root, NotSupported).
+    power_constraints_mw: Scripted = (150_000, 600_000)
+    power_default_mw: Scripted = 450_000
+    set_power_error: Scripted = None
     memory_used: Scripted = 1_073_741_824
     memory_total: Scripted = 25_757_220_864
     utilization_pct: Scripted = 0
@@ -234,6 +239,26 @@ class FakeNvml:
     def nvmlDeviceGetEnforcedPowerLimit(self, handle: Any) -> int:
         return int(_value(self._gpu(handle, "nvmlDeviceGetEnforcedPowerLimit").power_limit_mw))
 
+    def nvmlDeviceGetPowerManagementLimit(self, handle: Any) -> int:
+        return int(_value(self._gpu(handle, "nvmlDeviceGetPowerManagementLimit").power_limit_mw))
+
+    def nvmlDeviceGetPowerManagementLimitConstraints(self, handle: Any) -> list[int]:
+        gpu = self._gpu(handle, "nvmlDeviceGetPowerManagementLimitConstraints")
+        low, high = _value(gpu.power_constraints_mw)
+        return [int(low), int(high)]  # the real binding returns [min, max]
+
+    def nvmlDeviceGetPowerManagementDefaultLimit(self, handle: Any) -> int:
+        gpu = self._gpu(handle, "nvmlDeviceGetPowerManagementDefaultLimit")
+        return int(_value(gpu.power_default_mw))
+
+    def nvmlDeviceSetPowerManagementLimit(self, handle: Any, limit_mw: int) -> None:
+        gpu = self._gpu(handle, "nvmlDeviceSetPowerManagementLimit")
+        _value(gpu.set_power_error)
+        low, high = _value(gpu.power_constraints_mw)
+        if not low <= limit_mw <= high:
+            raise InvalidArgument()  # as the driver answers a limit outside the range
+        gpu.power_limit_mw = int(limit_mw)
+
     def nvmlDeviceGetMemoryInfo(self, handle: Any, version: int | None = None) -> Any:
         gpu = self._gpu(handle, "nvmlDeviceGetMemoryInfo")
         used = int(_value(gpu.memory_used))
@@ -289,6 +314,10 @@ class FakeNvml:
         "nvmlDeviceGetTemperature",
         "nvmlDeviceGetPowerUsage",
         "nvmlDeviceGetEnforcedPowerLimit",
+        "nvmlDeviceGetPowerManagementLimit",
+        "nvmlDeviceGetPowerManagementLimitConstraints",
+        "nvmlDeviceGetPowerManagementDefaultLimit",
+        "nvmlDeviceSetPowerManagementLimit",
         "nvmlDeviceGetMemoryInfo",
         "nvmlDeviceGetUtilizationRates",
         "nvmlDeviceGetClockInfo",

@@ -104,6 +104,34 @@ def test_each_gpu_shows_name_memory_temperature_power_limit_and_persistence() ->
     assert nvml.refcount == 0  # NVML shut down again
 
 
+def test_the_power_limit_in_force_is_compared_with_the_config() -> None:
+    nvml = FakeNvml(
+        [
+            FakeGpu(power_limit_mw=300_000),  # as configured
+            FakeGpu(),  # the card's default: not applied (the service is stopped)
+            FakeGpu(power_limit_mw=250_000, power_constraints_mw=(100_000, 250_000)),  # clamped
+            FakeGpu(power_limit_mw=320_000),  # not one of the engines' GPUs
+        ]
+    )
+    lines = _by_name(
+        check_nvidia(
+            probe_nvidia(nvml.module), device="auto", gpus_setting=[0, 1, 2], power_limit_w=300
+        )
+    )
+    assert all(lines[f"gpu{i}"].status == "ok" for i in range(4))
+    assert "power limit 300 W (card default 450 W) as thermal.power_limit_w sets it" in (
+        lines["gpu0"].detail
+    )
+    assert "power limit 450 W, not thermal.power_limit_w's 300 W" in lines["gpu1"].detail
+    assert "gpu-power apply" in lines["gpu1"].detail
+    assert "power limit 250 W (card default 450 W) as thermal.power_limit_w" in (
+        lines["gpu2"].detail
+    )
+    assert "power limit 320 W (card default 450 W), " in lines["gpu3"].detail
+    assert "thermal.power_limit_w" not in lines["gpu3"].detail
+    assert lines["gpu0"].data["power_default_w"] == 450
+
+
 def test_a_sensor_the_card_does_not_support_is_unknown_not_a_failure() -> None:
     nvml = FakeNvml([FakeGpu(power_limit_mw=NotSupported, persistence_mode=NotSupported)])
     [_, gpu0] = check_nvidia(probe_nvidia(nvml.module), device="auto")

@@ -101,6 +101,26 @@ def test_lifecycle_settings(service: dict[str, list[str]]) -> None:
     assert _one(service, "ExecReload") == "/bin/kill -HUP $MAINPID"
 
 
+def test_only_the_power_limit_runs_privileged(service: dict[str, list[str]]) -> None:
+    """'+' (full privileges) on exactly two commands: gpu-power apply before the daemon,
+    restore after it (also after a crash); the daemon itself runs unprivileged. '-': their
+    failure does not fail the start (a failed ExecStartPre= would be restarted even for a
+    bad config, which RestartPreventExitStatus= only stops for the main process)."""
+    privileged = [
+        (key, value)
+        for key, values in service.items()
+        for value in values
+        if key.startswith("Exec") and value.startswith(("+", "!", "-+", "+-", "@+"))
+    ]
+    assert sorted(privileged) == [
+        ("ExecStartPre", f"-+{EXEC_START} gpu-power apply"),
+        ("ExecStopPost", f"-+{EXEC_START} gpu-power restore"),
+    ]
+    assert _one(service, "ExecStart") == f"{EXEC_START} serve"
+    assert _one(service, "User") == "llm-appliance"
+    assert _one(service, "CapabilityBoundingSet") == ""
+
+
 def test_timeouts_cover_drain_and_model_loading(service: dict[str, list[str]]) -> None:
     assert _seconds(_one(service, "TimeoutStopSec")) > DRAIN_TIMEOUT_S + ENGINE_STOP_S
     assert _seconds(_one(service, "TimeoutStartSec")) > STARTUP_TIMEOUT_S
@@ -155,7 +175,9 @@ def _verifiable_copy(tmp_path: Path, text: str) -> Path:
     stub.chmod(0o755)
     assert f"ExecStart={EXEC_START} " in text
     copy = tmp_path / "llm-appliance.service"
-    copy.write_text(text.replace(f"ExecStart={EXEC_START} ", f"ExecStart={stub} "), "utf-8")
+    for key in ("ExecStart=", "ExecStartPre=-+", "ExecStopPost=-+"):
+        text = text.replace(f"{key}{EXEC_START} ", f"{key}{stub} ")
+    copy.write_text(text, "utf-8")
     return copy
 
 
