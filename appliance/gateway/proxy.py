@@ -52,7 +52,7 @@ from appliance.gateway.errors import GatewayError
 from appliance.gateway.failures import Attempt, EngineFailure, engine_error
 from appliance.gateway.fallback import REFUSE_HEADER, SERVED_BY, fallback_allowed
 from appliance.gateway.models import model_cards, resolve_named
-from appliance.gateway.open_requests import OpenRequests
+from appliance.gateway.open_requests import KEY_REVOKED, OpenRequests, revoked
 from appliance.gateway.pinned_relay import PinnedRelay
 from appliance.gateway.protocols import ROUTES, Route
 from appliance.gateway.protocols.refusals import model_refusal
@@ -372,6 +372,8 @@ class Relay:
         method: str = "POST",
     ) -> web.StreamResponse | EngineFailure:
         """The response sent, or why the engine failed before its first byte."""
+        if KEY_REVOKED in request:
+            raise revoked()  # its slot came as its key was revoked (open_requests.py)
         snap = self.gw.appliance.engine(engine_id)
         headers = {"Authorization": f"Bearer {snap.api_key}", "Content-Type": "application/json"}
         attempt = Attempt(asyncio.current_task())
