@@ -51,7 +51,13 @@ from appliance.gateway.answers import EngineCall
 from appliance.gateway.errors import GatewayError
 from appliance.gateway.failures import Attempt, EngineFailure, engine_error
 from appliance.gateway.fallback import REFUSE_HEADER, SERVED_BY, fallback_allowed
-from appliance.gateway.models import model_cards, resolve_named
+from appliance.gateway.models import (
+    check_key_allows,
+    key_allows,
+    model_cards,
+    resolve_named,
+    visible_models,
+)
 from appliance.gateway.open_requests import OpenRequests
 from appliance.gateway.pinned_relay import PinnedRelay
 from appliance.gateway.protocols import ROUTES, Route
@@ -99,7 +105,9 @@ class Relay:
 
     async def models(self, request: web.Request) -> web.Response:
         created = int(self.gw.appliance.started_at)
-        served, adapters = self.gw.appliance.config.served, self.gw.model_door.adapter_names()
+        config, adapters = self.gw.appliance.config, self.gw.model_door.adapter_names()
+        # A key limited to models sees only those (and their aliases and adapters).
+        served, adapters = visible_models(config, adapters, request["key"].models)
         return web.json_response({"object": "list", "data": model_cards(served, adapters, created)})
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
@@ -188,6 +196,10 @@ class Relay:
             config, opened.model, route, self.gw.model_door.adapter_names()
         )
         name = served.name  # whose engines serve it (an adapter's: its base model's)
+        # A key limited to models: refused here, before anything else is done for the
+        # request, so a refused one never makes an on-demand model load (_use_model).
+        allowed = request["key"].models
+        check_key_allows(config, allowed, served, sent, opened.model)
         if sent != name:  # an adapter: its removal waits for this request (adapter_work)
             self.gw.adapter_work.begin(request, sent)
         request["model"] = sent  # the metrics' label: a configured name, never the client's
@@ -199,8 +211,13 @@ class Relay:
         parsed = finish_body(
             route, opened, request.headers, config.gateway, max_model_len, name, sent, steps
         )
-        # An adapter has no fallback: another model's engines do not serve it.
-        return parsed, served.fallback if sent == name else ""
+        # An adapter has no fallback: another model's engines do not serve it; nor does a
+        # model the key may not use.
+        fallback = served.fallback if sent == name else ""
+        target = config.model(fallback) if fallback else None
+        if target is None or not key_allows(config, allowed, target, target.name):
+            fallback = ""
+        return parsed, fallback
 
     async def _parse_for(
         self, request: web.Request, route: str, model: str
