@@ -62,7 +62,15 @@ from appliance.gateway.open_requests import OpenRequests
 from appliance.gateway.pinned_relay import PinnedRelay
 from appliance.gateway.protocols import ROUTES, Route
 from appliance.gateway.protocols.refusals import model_refusal
-from appliance.gateway.request_body import LOWERED, ParsedRequest, finish_body, open_body, read_body
+from appliance.gateway.request_body import (
+    LOWERED,
+    PRIORITY_HEADER,
+    ParsedRequest,
+    engine_priority,
+    finish_body,
+    open_body,
+    read_body,
+)
 from appliance.gateway.usage_plan import stepping_of
 from appliance.gateway.via_client import relay_via_client
 from appliance.gateway.via_splice import relay_via_splice
@@ -208,8 +216,17 @@ class Relay:
             raise refused
         max_model_len = served.engine.max_model_len
         steps = stepping_of(served)
+        priority = engine_priority(served.engine.scheduling, request["key"].priority)
         parsed = finish_body(
-            route, opened, request.headers, config.gateway, max_model_len, name, sent, steps
+            route,
+            opened,
+            request.headers,
+            config.gateway,
+            max_model_len,
+            name,
+            sent,
+            steps,
+            priority,
         )
         # An adapter has no fallback: another model's engines do not serve it; nor does a
         # model the key may not use.
@@ -241,6 +258,7 @@ class Relay:
             target.engine.max_model_len,
             model,
             stepping=stepping_of(target),
+            priority=engine_priority(target.engine.scheduling, request["key"].priority),
         )
         return parsed if self.gw.admission.fits(parsed.cost, model) else None
 
@@ -391,6 +409,8 @@ class Relay:
         """The response sent, or why the engine failed before its first byte."""
         snap = self.gw.appliance.engine(engine_id)
         headers = {"Authorization": f"Bearer {snap.api_key}", "Content-Type": "application/json"}
+        if parsed.priority_header is not None:  # Messages: vLLM reads it from a header
+            headers[PRIORITY_HEADER] = str(parsed.priority_header)
         attempt = Attempt(asyncio.current_task())
         attempts = self._attempts[engine_id]
         attempts.add(attempt)

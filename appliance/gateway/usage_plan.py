@@ -183,7 +183,15 @@ def plan_usage(
 def insert_stream_usage(raw: bytes) -> bytes | None:
     """The client's bytes with ``stream_options`` added as the first field, or None when
     the body is not plain UTF-8 JSON starting with ``{`` (then it is re-serialised)."""
+    return insert_first(raw, STREAM_USAGE)
+
+
+def insert_first(raw: bytes, fields: bytes) -> bytes | None:
+    """The client's bytes with ``fields`` (``"name":value,`` each, ASCII) added first, or
+    None when the body is not plain UTF-8 JSON starting with ``{`` (then it is
+    re-serialised). Only for names the body does not hold: of two equal keys vLLM reads
+    the last, the client's."""
     start = len(raw) - len(raw.lstrip(b" \t\r\n"))
     if raw[start : start + 1] != b"{" or json.detect_encoding(raw) != "utf-8":
         return None  # json.loads also reads UTF-16 and UTF-32, where ASCII cannot go in
-    return raw[: start + 1] + STREAM_USAGE + raw[start + 1 :]
+    return raw[: start + 1] + fields + raw[start + 1 :]
