@@ -134,7 +134,9 @@ def cmd_create(args: argparse.Namespace) -> int:
     expires = _when(record.expires_at)
     print(
         f"created key {record.id} ({record.name}; scopes {','.join(sorted(record.scopes))}; "
-        f"expires {expires}{'' if record.fallback else '; no fallback'}) in {store.path}.\n"
+        f"expires {expires}{'' if record.fallback else '; no fallback'}"
+        f"{'' if record.models is None else '; models ' + ','.join(record.models)}) "
+        f"in {store.path}.\n"
         "Store it now; it is not shown again.",
         file=sys.stderr,
     )
