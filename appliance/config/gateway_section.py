@@ -95,11 +95,11 @@ class GatewayConfig:
     )
     key_token_share: float = _f(
         0.5,
-        "While another key's request waits for a model, a key that already holds this "
-        "share of the model's in-flight token budget (`max_inflight_tokens` summed over "
-        "its engines) takes no more: its further requests wait until it holds less. A "
-        "key with nothing in flight may always run one request, and with nobody else "
-        "waiting a key may use the whole budget. 1 = no bound.",
+        "While another key that holds less of a model waits for it, a key that already "
+        "holds this share of the model's in-flight token budget (`max_inflight_tokens` "
+        "summed over its engines) takes no more: its further requests wait until it "
+        "holds less. A key with nothing in flight may always run one request, and with "
+        "nobody else waiting a key may use the whole budget. 1 = no bound.",
         lo=0,
         hi=1,
         lo_open=True,

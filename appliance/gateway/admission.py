@@ -270,7 +270,7 @@ class Admission:
             chosen = self._route(cost, session, exclude, model=model, key=key)
             if chosen is not None:
                 return chosen
-        self._make_room_in_queue(batch, g.max_queue)
+        self._make_room_in_queue(batch, g.max_queue, key)
         waiter = Waiter(cost, session, exclude, batch, self._clock(), model, key, key_cap)
         self._queue.add(waiter)
         self.kick()  # room may exist for it: waiters ahead may be waiting for more room
@@ -336,8 +336,12 @@ class Admission:
         )
 
     def _queued_for(self, model: str | None) -> bool:
-        """Someone of ``model`` is waiting (a newcomer must not pass them)."""
-        return self._queue.holds(model)
+        """Someone of ``model`` is waiting whom a newcomer must not pass (a waiter of a
+        key at its max_inflight cannot take a free slot: it does not count)."""
+        return self._queue.holds(model, self._waiter_capped)
+
+    def _waiter_capped(self, w: Waiter) -> bool:
+        return self._capped(w.key, w.key_cap)
 
     def _refuse_unless_open(self, exclude: frozenset[int], model: str | None = None) -> None:
         """503 while shutting down, or when no engine of ``model`` (but the excluded) may
@@ -399,9 +403,11 @@ class Admission:
             lambda m: self._drained_error(m) if self._drained_all(m) else self._no_engine(m),
         )
 
-    def _make_room_in_queue(self, batch: bool, max_queue: int) -> None:
-        """Refuse a waiter the queue has no room for, or shed the newest batch waiter
-        to make room for an interactive one."""
+    def _make_room_in_queue(self, batch: bool, max_queue: int, key: str | None = None) -> None:
+        """Refuse a waiter the queue has no room for, or make room for it: shed the
+        newest waiter of a key that waits with more requests than ``key`` (one key's
+        backlog must not fill the queue for everyone), else the newest batch waiter for
+        an interactive one."""
         depth = self.queue_depth
 
         def shed() -> GatewayError:
@@ -412,7 +418,21 @@ class Admission:
         if batch and depth >= max(1, max_queue // 2):
             raise shed()
         full = depth >= max_queue
-        if full and (batch or not self._queue.shed_newest_batch(shed)):
+        if not full:
+            return
+
+        def busiest() -> GatewayError:
+            return self._reject(
+                503,
+                "the server is busy and this key has the most requests waiting; its newest "
+                "was shed to make room for another key's",
+                "queue_full",
+                5,
+            )
+
+        if self._queue.shed_newest_of_busiest_key(key, busiest):
+            return
+        if batch or not self._queue.shed_newest_batch(shed):
             raise self._reject(503, "the request queue is full", "queue_full", 5)
 
     def _serving(self, model: str | None) -> bool:
@@ -436,17 +456,18 @@ class Admission:
                 limit = max(limit, load_wait_s if loading and load_wait_s else timeout_s)
                 left = limit - (time.monotonic() - began)
                 if left <= 0:
+                    if _handed_over(waiter.future):
+                        # A release handed it a slot in the same turn as its deadline:
+                        # wait_for's timeout dropped the result, which is taken here, or
+                        # the slot would be held for ever.
+                        return waiter.future.result()
                     raise self._timed_out(waiter, limit, loading)
                 with contextlib.suppress(TimeoutError):
                     return await asyncio.wait_for(asyncio.shield(waiter.future), left)
         except asyncio.CancelledError:
             # The client went away while queued. If a slot was handed over at the same
             # moment, give it back.
-            if (
-                waiter.future.done()
-                and not waiter.future.cancelled()
-                and waiter.future.exception() is None
-            ):
+            if _handed_over(waiter.future):
                 self.release(waiter.future.result(), waiter.cost, waiter.key, waiter.model)
             raise
         finally:
@@ -548,6 +569,8 @@ class Admission:
             lambda w, loads: self._route(w.cost, w.session, w.exclude, loads, w.model, w.key),
             self._key_blocked,
             self._key_inflight.__getitem__,
+            self._waiter_capped,
+            lambda key, model: self._key_tokens[(key, model)],
         )
 
     def fail_waiters(self, reason: str, message: str) -> None:
@@ -558,3 +581,8 @@ class Admission:
 def _of(model: str | None) -> str:
     """ " of model 'X'" for a message about one model's engines."""
     return "" if model is None else f" of model '{model}'"
+
+
+def _handed_over(future: asyncio.Future[int]) -> bool:
+    """A waiter's future holds the engine a release() or kick() handed it."""
+    return future.done() and not future.cancelled() and future.exception() is None

@@ -131,6 +131,17 @@ def engine_refusal(status: int, body: bytes, shape: Shape = "openai") -> web.Res
     shape and type names on its routes), as for every other refusal. Only the error
     path calls this: a successful answer passes untouched.
     """
+    if status in (401, 403):
+        # The engine refused the gateway's own per-start key (an engine restarted under
+        # the request, or something else on its address): the client's key is fine, so
+        # never a 401 telling it otherwise.
+        return error_response(
+            502,
+            f"the engine refused the gateway (HTTP {status}); retry",
+            code="engine_error",
+            retry_after=1,
+            shape=shape,
+        )
     message, param = _engine_words(body)
     if not message:
         message = f"the engine refused the request (HTTP {status})"

@@ -29,6 +29,10 @@ from appliance.gateway.keys import KeyRecord
 # Set on a request once its streamed answer may have begun (its head prepared): from
 # then on nothing but the stream itself can reach the client.
 STREAM_STARTED = "appliance_stream_started"
+# Set on a request when its key's revocation ends it: the relay checks it before it
+# sends anything to an engine, since a cancel that came as its queue wait ended is
+# swallowed by asyncio.wait_for (the slot's result wins) and the request would run on.
+KEY_REVOKED = "appliance_key_revoked"
 
 
 @dataclass(eq=False, slots=True)
@@ -99,6 +103,7 @@ class OpenRequests:
                 if entry.ended:
                     continue
                 entry.ended = True
+                entry.request[KEY_REVOKED] = True
                 ended += 1
                 transport = entry.request.transport
                 if entry.request.get(STREAM_STARTED) and transport is not None:

@@ -58,7 +58,7 @@ from appliance.gateway.models import (
     resolve_named,
     visible_models,
 )
-from appliance.gateway.open_requests import OpenRequests
+from appliance.gateway.open_requests import KEY_REVOKED, OpenRequests, revoked
 from appliance.gateway.pinned_relay import PinnedRelay
 from appliance.gateway.protocols import ROUTES, Route
 from appliance.gateway.protocols.refusals import model_refusal
@@ -407,6 +407,8 @@ class Relay:
         method: str = "POST",
     ) -> web.StreamResponse | EngineFailure:
         """The response sent, or why the engine failed before its first byte."""
+        if KEY_REVOKED in request:
+            raise revoked()  # its slot came as its key was revoked (open_requests.py)
         snap = self.gw.appliance.engine(engine_id)
         headers = {"Authorization": f"Bearer {snap.api_key}", "Content-Type": "application/json"}
         if parsed.priority_header is not None:  # Messages: vLLM reads it from a header

@@ -56,11 +56,43 @@ class WaitQueue:
     def __len__(self) -> int:
         return len(self.interactive) + len(self.batch)
 
-    def holds(self, model: str | None) -> bool:
-        """Someone of ``model`` (None: anyone) waits: a newcomer must not pass them."""
-        if model is None:
-            return len(self) > 0
-        return any(w.model == model for q in (self.interactive, self.batch) for w in q)
+    def holds(self, model: str | None, passable: Callable[[Waiter], bool] | None = None) -> bool:
+        """Someone of ``model`` (None: anyone) waits whom a newcomer must not pass:
+        anyone but the ``passable`` (waiters at their key's max_inflight: they cannot
+        take a free slot, so one key's capped backlog never keeps others from it)."""
+        if passable is None:
+            if model is None:
+                return len(self) > 0
+            return any(w.model == model for q in (self.interactive, self.batch) for w in q)
+        return any(
+            (model is None or w.model == model) and not passable(w)
+            for q in (self.interactive, self.batch)
+            for w in q
+        )
+
+    def shed_newest_of_busiest_key(
+        self, key: str | None, error: Callable[[], BaseException]
+    ) -> bool:
+        """The queue is full: refuse the newest waiter of the key with the most waiters
+        (batch before interactive) when that key has more than ``key``'s, to make room
+        for ``key``'s request. One key that fills the queue then costs others nothing
+        but its own backlog; False when no key waits more than ``key``."""
+        counts: collections.Counter[str | None] = collections.Counter(
+            w.key for q in (self.interactive, self.batch) for w in q if w.key is not None
+        )
+        if not counts:
+            return False
+        busiest, most = counts.most_common(1)[0]
+        if busiest == key or most <= counts[key] + 1:
+            return False
+        for queue in (self.batch, self.interactive):
+            for w in reversed(queue):
+                if w.key == busiest:
+                    queue.remove(w)
+                    if not w.future.done():
+                        w.future.set_exception(error())
+                    return True
+        return False
 
     def oldest(self, model: str) -> float | None:
         """When the longest-waiting request of ``model`` began to wait; None: nobody."""
@@ -118,36 +150,57 @@ class WaitQueue:
         reserve: Route,
         blocked: Blocked = lambda w, loads, others: False,
         in_flight: Callable[[str], int] = lambda key: 0,
+        capped: Callable[[Waiter], bool] = lambda w: False,
+        holding: Callable[[str, str | None], int] = lambda key, model: 0,
     ) -> None:
         """Hand free slots to the waiters that fit, interactive first; a waiter whose
         key is ``blocked`` is passed by (its key's own release serves it later) and never
-        holds the line for its model, however long it waited."""
+        holds the line for its model, however long it waited. ``capped``: the waiter's
+        key is at its max_inflight; ``holding``: the tokens a key holds on a model
+        (what decides whether another key waiting is one that holds less)."""
         held: set[str | None] = set()  # models whose aged waiter holds the line
-        keys = _KeysWaiting(self.interactive, self.batch)
+        keys = _KeysWaiting((self.interactive, self.batch), capped, holding)
         for queue in (self.interactive, self.batch):
             # an aged one holds batch too
             _serve(queue, now, aging_s, held, loads_of, reserve, blocked, keys, in_flight)
 
 
 class _KeysWaiting:
-    """How many waiters of each (model, key) are left in this pass: whether another
-    key's request waits for a model, in O(1) as waiters are served."""
+    """The keys waiting for each model in this pass, and the tokens each held on it when
+    the pass began: whether a key waits that holds less of the model than a waiter's
+    own key (so the waiter's key, past its share, must leave it the room). Waiters of a
+    key at its max_inflight are not counted: they cannot take room anyway, and counting
+    them would hold back keys that can (an engine left idle for nobody)."""
 
-    def __init__(self, *queues: collections.deque[Waiter]) -> None:
-        self.per_key: collections.Counter[tuple[str | None, str | None]] = collections.Counter()
-        self.per_model: collections.Counter[str | None] = collections.Counter()
+    def __init__(
+        self,
+        queues: Iterable[collections.deque[Waiter]],
+        capped: Callable[[Waiter], bool],
+        holding: Callable[[str, str | None], int],
+    ) -> None:
+        self.per_key: collections.Counter[tuple[str | None, str]] = collections.Counter()
         for queue in queues:
             for w in queue:
-                if not w.future.done():
+                if w.key is not None and not w.future.done() and not capped(w):
                     self.per_key[(w.model, w.key)] += 1
-                    self.per_model[w.model] += 1
+        self.holds = {mk: holding(mk[1], mk[0]) for mk in self.per_key}
 
     def others(self, w: Waiter) -> bool:
-        return self.per_model[w.model] > self.per_key[(w.model, w.key)]
+        """Another key waits for ``w``'s model that holds fewer of its tokens than ``w``'s
+        key: of keys blocked by their share, the one holding least is never blocked,
+        so two keys never hold each other back while the engine has room."""
+        assert w.key is not None
+        mine = self.holds.get((w.model, w.key))
+        if mine is None:
+            return False  # its key is capped, or counted nowhere: nothing to leave room for
+        return any(
+            left > 0 and key != w.key and model == w.model and self.holds[(model, key)] < mine
+            for (model, key), left in self.per_key.items()
+        )
 
     def served(self, w: Waiter) -> None:
-        self.per_key[(w.model, w.key)] -= 1
-        self.per_model[w.model] -= 1
+        if w.key is not None and (w.model, w.key) in self.per_key:
+            self.per_key[(w.model, w.key)] -= 1
 
 
 def _serve(
@@ -165,7 +218,7 @@ def _serve(
     model whose aged waiter did not fit is added to ``held``, and nobody of that model
     is served after it. Those left keep their places in arrival order."""
     if len(queue) > 1:
-        ordered = fair_order(queue, in_flight)
+        ordered = fair_order(queue, in_flight, now, aging_s)
         queue.clear()
         queue.extend(ordered)
     passed: list[Waiter] = []  # looked at, still waiting: they keep their places
@@ -210,18 +263,27 @@ def _serve(
     queue.extend(passed)
 
 
-def fair_order(queue: Iterable[Waiter], in_flight: Callable[[str], int]) -> list[Waiter]:
+def fair_order(
+    queue: Iterable[Waiter],
+    in_flight: Callable[[str], int],
+    now: float = 0.0,
+    aging_s: float = float("inf"),
+) -> list[Waiter]:
     """The order in which free slots go to ``queue``'s waiters (issue 35): the key with
     the fewest requests in flight first, counting its requests served before in this
     order, ties by who waited longest; each key's own requests in their arrival order.
     A key's n-th waiter (from 0) ranks as its in-flight count + n: one key's 40 queued
     requests do not keep another key's one waiting behind all of them. Waiters with no
-    key are one key with nothing in flight (bare admission: arrival order)."""
+    key are one key with nothing in flight (bare admission: arrival order). Waiters that
+    have aged (``aging_s``) come first, in arrival order: a large request that waited
+    that long is served before smaller ones of keys with less in flight, or it would
+    wait for ever under steady light traffic."""
     seen: collections.Counter[str | None] = collections.Counter()
     ranked = []
     for w in queue:
         base = in_flight(w.key) if w.key is not None else 0
-        ranked.append((base + seen[w.key], w.seq, w))
+        aged = now - w.since >= aging_s
+        ranked.append((not aged, 0 if aged else base + seen[w.key], w.seq, w))
         seen[w.key] += 1
-    ranked.sort(key=lambda r: (r[0], r[1]))
-    return [w for _, _, w in ranked]
+    ranked.sort(key=lambda r: (r[0], r[1], r[2]))
+    return [w for _, _, _, w in ranked]

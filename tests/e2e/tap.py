@@ -179,10 +179,16 @@ def _event_counts(event: Any) -> tuple[int, int] | None:
 
 
 def exchange_usage(ex: Exchange) -> tuple[int, int]:
-    """(prompt, completion) tokens the engine counted in one answer; (0, 0) for routes
-    that run no model (count_tokens, models, retrieve)."""
-    if ex.status != 200 or ex.method != "POST" or ex.path.endswith("/count_tokens"):
+    """(prompt, completion) tokens the engine counted in one answer, as the key is
+    charged them: count_tokens its ``input_tokens`` as prompt tokens (the tokenizer
+    routes are not free against tpm, issue 33); (0, 0) for models and retrieve."""
+    if ex.status != 200 or ex.method != "POST":
         return 0, 0
+    if ex.path.endswith("/count_tokens"):
+        try:
+            return int(json.loads(ex.answer)["input_tokens"]), 0
+        except (ValueError, KeyError, TypeError):
+            return 0, 0
     if ex.content_type.startswith("text/event-stream"):
         prompt = completion = 0
         for event in sse_data(bytes(ex.answer)):

@@ -507,3 +507,99 @@ async def test_fair_order(queued: str, in_flight: dict[str, int], served: str) -
     got = fair_order(queue.interactive, lambda k: in_flight.get(k, 0))
     assert "".join(str(w.key) for w in got) == served
     assert [w.seq for w in got if w.key == "A"] == sorted(w.seq for w in got if w.key == "A")
+
+
+# ---- what an adversarial review found in the per-key rules (issue 33 item 2, issue 35) ----
+async def test_one_capped_keys_backlog_never_keeps_another_key_from_a_free_slot() -> None:
+    adm, _, rejected = make(n=1, max_inflight=8, max_queue=4)
+    await adm.acquire(10, key="aaaaaaaa", key_cap=1)
+    backlog = [asyncio.ensure_future(adm.acquire(10, key="aaaaaaaa", key_cap=1)) for _ in range(4)]
+    await asyncio.sleep(0)
+    assert adm.queue_depth == 4  # the queue is full of A's, which cannot run
+    # B goes straight to one of the engine's 7 free slots: not queued, not queue_full.
+    assert await asyncio.wait_for(adm.acquire(10, key="bbbbbbbb"), 1) == 0
+    assert rejected == []
+    for f in backlog:
+        f.cancel()
+
+
+async def test_a_full_queue_sheds_the_busiest_keys_newest_for_another_key() -> None:
+    adm, _, rejected = make(n=1, max_inflight=1, max_queue=4)
+    await adm.acquire(10, key="aaaaaaaa")
+    flood = [asyncio.ensure_future(adm.acquire(10, key="aaaaaaaa")) for _ in range(4)]
+    await asyncio.sleep(0)
+    b = asyncio.ensure_future(adm.acquire(10, key="bbbbbbbb"))
+    await asyncio.sleep(0)
+    # B waits (the engine is busy) in the place of A's newest, which is refused.
+    assert not b.done() and adm.queue_depth == 4
+    with pytest.raises(GatewayError) as shed:
+        await asyncio.wait_for(flood[-1], 1)
+    assert shed.value.code == "queue_full" and "most requests waiting" in shed.value.message
+    assert rejected == ["queue_full"]
+    # A's next one finds A the busiest again: refused, B keeps its place.
+    with pytest.raises(GatewayError):
+        await adm.acquire(10, key="aaaaaaaa")
+    assert not b.done()
+    for f in [*flood[:-1], b]:
+        f.cancel()
+
+
+async def test_two_keys_past_their_share_never_hold_each_other_back() -> None:
+    adm, _, _ = make(n=1, max_inflight=8, tokens=1000, max_queue=8, key_token_share=0.5)
+    a = await adm.acquire(300, key="aaaaaaaa")
+    b = await adm.acquire(300, key="bbbbbbbb")
+    x = await adm.acquire(400, key="xxxxxxxx")  # the engine is full
+    a2 = asyncio.ensure_future(adm.acquire(250, key="aaaaaaaa"))
+    b2 = asyncio.ensure_future(adm.acquire(250, key="bbbbbbbb"))
+    await asyncio.sleep(0)
+    assert adm.queue_depth == 2
+    adm.release(x, 400, "xxxxxxxx")  # 400 free: one of them fits, and is served
+    done, _ = await asyncio.wait({a2, b2}, timeout=1, return_when=asyncio.FIRST_COMPLETED)
+    assert len(done) == 1
+    for f in (a2, b2):
+        f.cancel()
+    adm.release(a, 300, "aaaaaaaa")
+    adm.release(b, 300, "bbbbbbbb")
+
+
+async def test_a_capped_keys_waiter_does_not_count_against_anothers_share() -> None:
+    adm, _, _ = make(n=1, max_inflight=8, tokens=1000, max_queue=8, key_token_share=0.5)
+    await adm.acquire(100, key="cccccccc", key_cap=1)
+    capped = asyncio.ensure_future(adm.acquire(100, key="cccccccc", key_cap=1))
+    await adm.acquire(500, key="aaaaaaaa")
+    await asyncio.sleep(0)
+    # A holds half, but the only other waiter cannot run: A's next may use the room.
+    assert await asyncio.wait_for(adm.acquire(100, key="aaaaaaaa"), 1) == 0
+    capped.cancel()
+
+
+async def test_an_aged_large_waiter_is_served_before_keys_with_less_in_flight() -> None:
+    clock = Clock()
+    adm, _, _ = make(n=1, max_inflight=16, tokens=100, max_queue=16, aging_s=5.0, clock=clock)
+    a = await adm.acquire(10, key="aaaaaaaa")
+    x = await adm.acquire(85, key="xxxxxxxx")
+    big = asyncio.ensure_future(adm.acquire(60, key="aaaaaaaa"))
+    await asyncio.sleep(0)
+    clock.now += 10  # it has aged
+    small = [asyncio.ensure_future(adm.acquire(5, key=f"k{i:07d}")) for i in range(10)]
+    await asyncio.sleep(0)
+    adm.release(x, 85, "xxxxxxxx")
+    assert await asyncio.wait_for(big, 1) == 0  # first, although A has one in flight
+    for f in small:
+        f.cancel()
+    adm.release(a, 10, "aaaaaaaa")
+
+
+async def test_a_slot_handed_over_as_the_wait_times_out_is_kept_not_lost() -> None:
+    """A release hands a waiter its slot in the same loop turn as its deadline: the
+    wait's timeout must take the slot, not raise and leave it held for ever."""
+    adm, _, _ = make(n=1, max_inflight=1)
+    first = await adm.acquire(10, key="aaaaaaaa")
+    waiter = Waiter(10, None, frozenset(), False, 0.0, None, "bbbbbbbb")
+    adm._queue.add(waiter)
+    adm.release(first, 10, "aaaaaaaa")  # hands it the engine
+    assert waiter.future.done()
+    assert await adm._wait_in_queue(waiter, 0.0) == 0  # its deadline already past
+    adm.release(0, 10, "bbbbbbbb")
+    assert adm.key_inflight("bbbbbbbb") == 0
+    assert await asyncio.wait_for(adm.acquire(10, key="cccccccc"), 1) == 0

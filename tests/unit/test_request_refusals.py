@@ -52,6 +52,18 @@ LOGPROBS: list[tuple[str, str, dict[str, Any], str | None]] = [
     ("completions echo with logprobs", "completions",
      {"prompt": "x", "echo": True, "logprobs": 0}, "echo"),
     ("completions echo alone", "completions", {"prompt": "x", "echo": True}, None),
+    # vLLM's pydantic reads echo leniently: these are all true to it
+    ("completions echo 1 with logprobs", "completions",
+     {"prompt": "x", "echo": 1, "logprobs": 20}, "echo"),
+    ("completions echo 'yes' with logprobs", "completions",
+     {"prompt": "x", "echo": "yes", "logprobs": 20}, "echo"),
+    ("chat echo 'true'", "chat", {"messages": MSGS, "echo": "true"}, "echo"),
+    ("chat echo 1.0", "chat", {"messages": MSGS, "echo": 1.0}, "echo"),
+    # and these false
+    ("chat echo 'false'", "chat", {"messages": MSGS, "echo": "false"}, None),
+    ("chat echo 0", "chat", {"messages": MSGS, "echo": 0}, None),
+    ("completions echo false", "completions",
+     {"prompt": "x", "echo": False, "logprobs": 20}, None),
     ("completions logprobs of the answer", "completions", {"prompt": "x", "logprobs": 5}, None),
     ("responses has none", "responses", {"input": "x", "prompt_logprobs": 5}, None),
 ]  # fmt: skip
@@ -256,3 +268,15 @@ def test_an_engines_refusal_comes_back_in_the_gateways_shape(
 def test_a_long_engine_message_is_cut() -> None:
     resp = engine_refusal(400, json.dumps({"error": {"message": "x" * 100_000}}).encode())
     assert len(doc(resp)["error"]["message"]) == 4096
+
+
+@pytest.mark.parametrize("status", [401, 403])
+def test_an_engine_refusing_the_gateways_key_is_a_502_not_the_clients_401(status: int) -> None:
+    """The engine's 401/403 is about the gateway's own per-start key (an engine restarted
+    under the request): the client's key is fine, so no 401 with WWW-Authenticate."""
+    raw = json.dumps({"error": "Unauthorized"}).encode()
+    for shape in ("openai", "anthropic"):
+        resp = engine_refusal(status, raw, shape)  # type: ignore[arg-type]
+        assert resp.status == 502 and "WWW-Authenticate" not in resp.headers
+        assert resp.headers["Retry-After"] == "1"
+    assert doc(engine_refusal(status, raw))["error"]["code"] == "engine_error"

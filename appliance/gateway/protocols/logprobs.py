@@ -29,11 +29,24 @@ Reader = Callable[[Mapping[str, Any]], "str | None"]
 def _asks(body: Mapping[str, Any], echoed: str, default: int | None) -> str | None:
     if body.get("prompt_logprobs") is not None:
         return "prompt_logprobs"
-    # vLLM reads echo as a bool (any other value it refuses itself) and takes the
-    # echoed field's default when it is absent: null only when sent as null.
-    if body.get("echo") is True and body.get(echoed, default) is not None:
+    # vLLM takes the echoed field's default when it is absent: null only when sent as
+    # null. Its pydantic model reads echo leniently (1, 1.0, "true", "yes" are true),
+    # so anything that is not one of its false spellings asks.
+    if not _false(body.get("echo")) and body.get(echoed, default) is not None:
         return "echo"
     return None
+
+
+# What pydantic's lax bool reads as false (besides None: the field's default).
+_FALSE_WORDS = frozenset({"0", "off", "f", "false", "n", "no"})
+
+
+def _false(value: Any) -> bool:
+    if value is None or value is False:
+        return True
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return value == 0
+    return isinstance(value, str) and value.strip().lower() in _FALSE_WORDS
 
 
 def completions_prompt_logprobs(body: Mapping[str, Any]) -> str | None:
