@@ -210,9 +210,19 @@ def build_argv(
         "--disable-uvicorn-access-log",
         *_model_args(served, speculative_json),
         *_device_args(e, on_gpu, cpu_flags),
+        *scheduling_args(e),
         *e.extra_args,
     ]
     return tuple(argv)
+
+
+def scheduling_args(e: EngineConfig) -> list[str]:
+    """vLLM's priority scheduler when ``scheduling`` asks for it (the gateway then sends
+    each request's ``priority``); vLLM's own default is fcfs. The admin's own
+    --scheduling-policy in extra_args wins."""
+    if e.scheduling != "priority" or _sets(e.extra_args, "--scheduling-policy"):
+        return []
+    return ["--scheduling-policy", "priority"]
 
 
 def _listen_args(address: EngineAddress) -> list[str]:

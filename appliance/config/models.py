@@ -44,6 +44,7 @@ MODEL_ENGINE_KEYS: tuple[str, ...] = (
     "reasoning_parser",
     "responses_store",
     "structured_outputs_backend",
+    "scheduling",
     "allow_prompt_logprobs",
     "allowed_media_domains",
 )

@@ -34,6 +34,7 @@ Device = Literal["auto", "cuda", "cpu"]
 Listen = Literal["unix", "tcp"]
 # vLLM 0.32's structured-output backends (vllm/config/structured_outputs.py).
 StructuredBackend = Literal["guidance", "xgrammar", "auto", "outlines", "lm-format-enforcer"]
+Scheduling = Literal["priority", "fcfs"]
 
 
 @dataclass(frozen=True)
@@ -154,6 +155,16 @@ class EngineConfig:
         "time limit: one small schema can keep structured output waiting for everyone "
         "until the engine restarts (docs/security.md). An extra_args entry that sets "
         "--structured-outputs-config wins.",
+    )
+    scheduling: Scheduling = _f(
+        "priority",
+        "How the engine orders the requests it holds (vLLM `--scheduling-policy`). "
+        "`priority`: each request the gateway sends carries a `priority` (0 for an "
+        "`interactive` key, 10 for a `batch` key; lower is served first), so a batch "
+        "flood already inside the engine does not hold back an interactive request, and "
+        "a client's own `priority` is replaced. `fcfs`: vLLM's first-come first-served; "
+        "no priority is sent and a client's own is removed. An extra_args entry that sets "
+        "--scheduling-policy, or a custom `command`, decides the engine's flag.",
     )
     allow_prompt_logprobs: bool = _f(
         False,

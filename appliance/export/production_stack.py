@@ -40,7 +40,7 @@ from typing import Any
 
 from appliance import paths
 from appliance.config import Config, EngineConfig, ServedModel
-from appliance.engine import request_guard_args, request_guard_env
+from appliance.engine import request_guard_args, request_guard_env, scheduling_args
 
 CHART = "vllm-stack (github.com/vllm-project/production-stack, helm/)"
 IMAGE = ("vllm/vllm-openai", "latest")  # the vLLM project's own image
@@ -108,6 +108,8 @@ CARRIED: Mapping[str, str] = {
     "env VLLM_ENFORCE_STRICT_TOOL_CALLING for guidance)",
     "engine.allowed_media_domains": "--allowed-media-domains in extraArgs, env "
     "VLLM_MEDIA_URL_ALLOW_REDIRECTS",
+    "engine.scheduling": "--scheduling-policy in extraArgs (the chart's router sends no "
+    "priority: every request is vLLM's default 0)",
 }
 NOT_APPLICABLE: Mapping[str, str] = {
     "engine.listen": "how the gateway reaches an engine on this box; the chart's router "
@@ -243,6 +245,7 @@ def vllm_config(m: ServedModel, on_cpu: bool) -> dict[str, Any]:
         if e.reasoning_parser:
             args += ["--reasoning-parser", e.reasoning_parser]
         args += request_guard_args(e)
+    args += scheduling_args(e)
     if m.speculative:
         args += ["--speculative-config", speculative(m)]
     out["extraArgs"] = [*args, *extra]

@@ -48,7 +48,17 @@ COMMAND_WAIT_S = 10.0  # longest an admin request waits for an engine's runner t
 ADAPTER_WAIT_S = 200.0
 _ENGINE_ID_RE = re.compile(r"[0-9]+")  # ASCII only: str.isdigit() takes "²" and "١"
 KEY_FIELDS = frozenset(
-    {"name", "scopes", "rpm", "tpm", "priority", "expires_days", "fallback", "max_inflight"}
+    {
+        "name",
+        "scopes",
+        "rpm",
+        "tpm",
+        "priority",
+        "expires_days",
+        "fallback",
+        "max_inflight",
+        "models",
+    }
 )
 
 
@@ -374,6 +384,7 @@ class Admin:
                 body.get("expires_days"),
                 body.get("fallback"),
                 body.get("max_inflight"),
+                body.get("models"),
             )
         except KeySpecError as exc:
             raise GatewayError(400, str(exc), param=exc.field) from None

@@ -51,6 +51,7 @@ COLUMNS = (
     "PRIORITY",
     "FALLBACK",
     "INFLIGHT",  # the key's cap on requests in flight ("-": none)
+    "MODELS",  # the models it may use ("all": every model)
     "EXPIRES",
     "CREATED",
     "STATUS",
@@ -118,6 +119,7 @@ def cmd_create(args: argparse.Namespace) -> int:
             expires_days=_number(args.expires_days),
             fallback=False if args.no_fallback else None,
             max_inflight=_number(args.max_inflight),
+            models=args.model,
         )
     except KeySpecError as exc:
         _audit(store, "key.create", "key", "refused", param=exc.field)
@@ -132,7 +134,9 @@ def cmd_create(args: argparse.Namespace) -> int:
     expires = _when(record.expires_at)
     print(
         f"created key {record.id} ({record.name}; scopes {','.join(sorted(record.scopes))}; "
-        f"expires {expires}{'' if record.fallback else '; no fallback'}) in {store.path}.\n"
+        f"expires {expires}{'' if record.fallback else '; no fallback'}"
+        f"{'' if record.models is None else '; models ' + ','.join(record.models)}) "
+        f"in {store.path}.\n"
         "Store it now; it is not shown again.",
         file=sys.stderr,
     )
@@ -161,6 +165,7 @@ def cmd_list(args: argparse.Namespace) -> int:
             r.priority,
             "yes" if r.fallback else "no",  # no: always waits for the model it names
             "-" if not r.max_inflight else str(r.max_inflight),
+            "all" if r.models is None else ",".join(r.models),
             _when(r.expires_at),
             _when(r.created_at),
             _status(r, now),
@@ -340,6 +345,14 @@ def _add_create(
         metavar="N",
         help=f"at most N of this key's requests in flight at once; beyond, they wait in the "
         f"queue (not refused); 0..{MAX_INFLIGHT}, default: 0 (no cap)",
+    )
+    p.add_argument(
+        "--model",
+        action="append",
+        metavar="NAME",
+        default=None,
+        help="the key may use only this model (its aliases and adapters follow it); "
+        "repeatable; default: every model",
     )
     p.set_defaults(func=cmd_create)
 

@@ -115,3 +115,46 @@ def resolve_named(
             reason="model_wrong_route",
         )
     return found, sent
+
+
+def key_allows(
+    config: Config, allowed: Sequence[str] | None, served: ServedModel, sent: str
+) -> bool:
+    """Whether a key limited to ``allowed`` (None: every model) may use ``served``, asked
+    for as ``sent`` (an adapter's name, or the model's canonical name). A name the key
+    holds stands for its model: the model's aliases and adapters follow it; an adapter
+    the key names is allowed by itself (its base model is not)."""
+    if allowed is None or sent in allowed:
+        return True
+    return any((m := config.model(n)) is not None and m.name == served.name for n in allowed)
+
+
+def check_key_allows(
+    config: Config, allowed: Sequence[str] | None, served: ServedModel, sent: str, asked: str
+) -> None:
+    """403 ``model_not_allowed`` when the key may not use the model ``asked`` names."""
+    if key_allows(config, allowed, served, sent):
+        return
+    shown = asked if len(asked) <= 64 else asked[:61] + "..."
+    raise GatewayError(
+        403,
+        f"this key may not use the model '{shown}'; it may use "
+        f"{', '.join(allowed or ())} (GET /v1/models lists them)",
+        param="model",
+        code="model_not_allowed",
+        reason="model_not_allowed",
+    )
+
+
+def visible_models(
+    config: Config, adapters: Mapping[str, str], allowed: Sequence[str] | None
+) -> tuple[list[ServedModel], dict[str, str]]:
+    """The models and adapters (name -> base model) a key limited to ``allowed`` sees in
+    ``GET /v1/models``: those it may use (:func:`key_allows`)."""
+    served = [m for m in config.served if key_allows(config, allowed, m, m.name)]
+    shown: dict[str, str] = {}
+    for name, base in adapters.items():
+        model = config.model(base)
+        if model is not None and key_allows(config, allowed, model, name):
+            shown[name] = base
+    return served, shown

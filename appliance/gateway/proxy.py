@@ -51,12 +51,26 @@ from appliance.gateway.answers import EngineCall
 from appliance.gateway.errors import GatewayError
 from appliance.gateway.failures import Attempt, EngineFailure, engine_error
 from appliance.gateway.fallback import REFUSE_HEADER, SERVED_BY, fallback_allowed
-from appliance.gateway.models import model_cards, resolve_named
+from appliance.gateway.models import (
+    check_key_allows,
+    key_allows,
+    model_cards,
+    resolve_named,
+    visible_models,
+)
 from appliance.gateway.open_requests import KEY_REVOKED, OpenRequests, revoked
 from appliance.gateway.pinned_relay import PinnedRelay
 from appliance.gateway.protocols import ROUTES, Route
 from appliance.gateway.protocols.refusals import model_refusal
-from appliance.gateway.request_body import LOWERED, ParsedRequest, finish_body, open_body, read_body
+from appliance.gateway.request_body import (
+    LOWERED,
+    PRIORITY_HEADER,
+    ParsedRequest,
+    engine_priority,
+    finish_body,
+    open_body,
+    read_body,
+)
 from appliance.gateway.usage_plan import stepping_of
 from appliance.gateway.via_client import relay_via_client
 from appliance.gateway.via_splice import relay_via_splice
@@ -99,7 +113,9 @@ class Relay:
 
     async def models(self, request: web.Request) -> web.Response:
         created = int(self.gw.appliance.started_at)
-        served, adapters = self.gw.appliance.config.served, self.gw.model_door.adapter_names()
+        config, adapters = self.gw.appliance.config, self.gw.model_door.adapter_names()
+        # A key limited to models sees only those (and their aliases and adapters).
+        served, adapters = visible_models(config, adapters, request["key"].models)
         return web.json_response({"object": "list", "data": model_cards(served, adapters, created)})
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
@@ -188,6 +204,10 @@ class Relay:
             config, opened.model, route, self.gw.model_door.adapter_names()
         )
         name = served.name  # whose engines serve it (an adapter's: its base model's)
+        # A key limited to models: refused here, before anything else is done for the
+        # request, so a refused one never makes an on-demand model load (_use_model).
+        allowed = request["key"].models
+        check_key_allows(config, allowed, served, sent, opened.model)
         if sent != name:  # an adapter: its removal waits for this request (adapter_work)
             self.gw.adapter_work.begin(request, sent)
         request["model"] = sent  # the metrics' label: a configured name, never the client's
@@ -196,11 +216,25 @@ class Relay:
             raise refused
         max_model_len = served.engine.max_model_len
         steps = stepping_of(served)
+        priority = engine_priority(served.engine.scheduling, request["key"].priority)
         parsed = finish_body(
-            route, opened, request.headers, config.gateway, max_model_len, name, sent, steps
+            route,
+            opened,
+            request.headers,
+            config.gateway,
+            max_model_len,
+            name,
+            sent,
+            steps,
+            priority,
         )
-        # An adapter has no fallback: another model's engines do not serve it.
-        return parsed, served.fallback if sent == name else ""
+        # An adapter has no fallback: another model's engines do not serve it; nor does a
+        # model the key may not use.
+        fallback = served.fallback if sent == name else ""
+        target = config.model(fallback) if fallback else None
+        if target is None or not key_allows(config, allowed, target, target.name):
+            fallback = ""
+        return parsed, fallback
 
     async def _parse_for(
         self, request: web.Request, route: str, model: str
@@ -224,6 +258,7 @@ class Relay:
             target.engine.max_model_len,
             model,
             stepping=stepping_of(target),
+            priority=engine_priority(target.engine.scheduling, request["key"].priority),
         )
         return parsed if self.gw.admission.fits(parsed.cost, model) else None
 
@@ -376,6 +411,8 @@ class Relay:
             raise revoked()  # its slot came as its key was revoked (open_requests.py)
         snap = self.gw.appliance.engine(engine_id)
         headers = {"Authorization": f"Bearer {snap.api_key}", "Content-Type": "application/json"}
+        if parsed.priority_header is not None:  # Messages: vLLM reads it from a header
+            headers[PRIORITY_HEADER] = str(parsed.priority_header)
         attempt = Attempt(asyncio.current_task())
         attempts = self._attempts[engine_id]
         attempts.add(attempt)

@@ -23,9 +23,10 @@ from appliance.gateway.json_bounds import TooMuchStructure, check_structure, may
 from appliance.gateway.protocols import ROUTES, StateRef
 from appliance.gateway.usage_plan import (
     ONE_TOKEN,
+    STREAM_USAGE,
     Stepping,
     UsagePlan,
-    insert_stream_usage,
+    insert_first,
     plan_usage,
 )
 from appliance.policy.routing import session_key
@@ -45,10 +46,32 @@ class ParsedRequest:
     charged: int | None = None
     state: StateRef | None = None  # what of it lives in one engine (a stored response)
     lowered: int | None = None  # the max_tokens sent when lower than the client's (Messages)
+    # The engine's scheduling priority sent as vLLM's X-Vllm-Priority header, on the
+    # routes whose body has no priority field vLLM reads (Messages): see finish_body.
+    priority_header: int | None = None
 
     @property
     def tpm_charge(self) -> int:
         return self.cost if self.charged is None else self.charged
+
+
+# Where vLLM 0.32 reads a request's scheduling priority (lower is served first): a body
+# field on these routes (their request models' ``priority``), the X-Vllm-Priority header
+# on Messages (converted to a chat request, whose serving reads the header). The other
+# routes (tokenize, count_tokens) schedule nothing.
+BODY_PRIORITY = frozenset({"chat", "completions", "responses", "embeddings", "score", "rerank"})
+HEADER_PRIORITY = frozenset({"messages"})
+PRIORITY_HEADER = "X-Vllm-Priority"
+# The priority each key class is sent with: interactive first (0 is vLLM's default, so it
+# is not written). Apart, so another class could go between them.
+PRIORITY_OF_CLASS = {"interactive": 0, "batch": 10}
+
+
+def engine_priority(scheduling: str, key_class: str) -> int | None:
+    """The scheduling priority an engine is sent for a request of a key of ``key_class``
+    (its ``priority``: interactive or batch) on a model whose ``engine.scheduling`` is
+    ``scheduling``; None under fcfs (nothing is sent)."""
+    return PRIORITY_OF_CLASS[key_class] if scheduling == "priority" else None
 
 
 # On an answer whose max_tokens the gateway lowered: the value the engine was sent.
@@ -147,13 +170,16 @@ def finish_body(
     model: str | None = None,
     sent: str | None = None,
     stepping: Stepping = ONE_TOKEN,
+    priority: int | None = None,
 ) -> ParsedRequest:
     """What the request costs on ``model``'s engines (whose context is ``max_model_len``,
     whose streams carry ``stepping``'s tokens per event) and what they are sent. The
     engine knows its model by its canonical name only, so a body naming an alias is
     rewritten to ``model`` (or to ``sent``: a LoRA adapter's name, which the engine
     serves too); the client's bytes go on untouched (no re-serialisation) unless a field
-    must be set."""
+    must be set. ``priority``: the engine's scheduling priority for this request (None:
+    the engine schedules first-come first-served, nothing is sent; 0, vLLM's default, is
+    not written either); a client's own ``priority`` is always taken out."""
     body = opened.fields
     canonical = model or opened.model
     wire = sent or canonical
@@ -183,10 +209,23 @@ def finish_body(
         name, value = cost.write
         body[name] = value
         rewrite = True
+    # A client's own priority never reaches the engine: the key's class decides it.
+    if "priority" in body:
+        del body["priority"]
+        rewrite = True
+    # 0 is vLLM's default: left out, so an interactive key's body goes on as it came.
+    priority = priority or None
+    in_body = priority if route in BODY_PRIORITY else None
+    if in_body is not None:
+        body["priority"] = in_body
     if rewrite:
         raw = _dump(body)
-    elif plan.added:
-        raw = insert_stream_usage(raw) or _dump(body)
+    elif plan.added or in_body is not None:
+        # Added in front of the client's bytes, not re-serialised: the common case.
+        first = (STREAM_USAGE if plan.added else b"") + (
+            b'"priority":%d,' % in_body if in_body is not None else b""
+        )
+        raw = insert_first(raw, first) or _dump(body)
     user = body.get("user")
     session = session_key(user if isinstance(user, str) else None, headers.get("X-Session-Id"))
     state = spec.state(body) if spec.state is not None else None
@@ -201,6 +240,7 @@ def finish_body(
         plan,
         state=state,
         lowered=lowered,
+        priority_header=priority if route in HEADER_PRIORITY else None,
     )
 
 

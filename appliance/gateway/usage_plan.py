@@ -12,6 +12,7 @@ put a usage object in every token event. The plan also keeps what the upper boun
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +21,7 @@ from appliance.config import ServedModel
 from appliance.gateway.cost import prompt_bound
 from appliance.gateway.usage_counts import EventUsage, Usage, usage_of_answer
 
+_LEADING_SPACE = re.compile(rb"[ \t\r\n]*")  # JSON's whitespace; no copy of the body
 STREAM_USAGE = b'"stream_options":{"include_usage":true},'
 ROUTES_WITH_STREAM_USAGE = ("chat", "completions")
 
@@ -183,7 +185,16 @@ def plan_usage(
 def insert_stream_usage(raw: bytes) -> bytes | None:
     """The client's bytes with ``stream_options`` added as the first field, or None when
     the body is not plain UTF-8 JSON starting with ``{`` (then it is re-serialised)."""
-    start = len(raw) - len(raw.lstrip(b" \t\r\n"))
+    return insert_first(raw, STREAM_USAGE)
+
+
+def insert_first(raw: bytes, fields: bytes) -> bytes | None:
+    """The client's bytes with ``fields`` (``"name":value,`` each, ASCII) added first, or
+    None when the body is not plain UTF-8 JSON starting with ``{`` (then it is
+    re-serialised). Only for names the body does not hold: of two equal keys vLLM reads
+    the last, the client's."""
+    start = _LEADING_SPACE.match(raw).end()  # type: ignore[union-attr]  # matches "" too
     if raw[start : start + 1] != b"{" or json.detect_encoding(raw) != "utf-8":
         return None  # json.loads also reads UTF-16 and UTF-32, where ASCII cannot go in
-    return raw[: start + 1] + STREAM_USAGE + raw[start + 1 :]
+    # One copy of the body: a memoryview's slice is not one.
+    return b"".join((raw[: start + 1], fields, memoryview(raw)[start + 1 :]))

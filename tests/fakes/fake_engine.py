@@ -855,7 +855,9 @@ class FakeEngine:
         route = request.path
         self.requests += 1
         self.requests_by_route[route] = self.requests_by_route.get(route, 0) + 1
-        self.last_request = {"path": route, "body": body}
+        # vLLM reads a request's priority from this header too (Messages: only there)
+        priority = request.headers.get("X-Vllm-Priority")
+        self.last_request = {"path": route, "body": body, "priority_header": priority}
         model = body.get("model")
         if model is not None and model not in self.served and not self.lora.serves(model):
             return error_response(

@@ -194,6 +194,16 @@ def test_a_no_fallback_key_queues_for_its_own_model(box: Box) -> None:
         assert_served_by_small(*chat(box))  # the same moment, a key that allows it
 
 
+def test_a_key_limited_to_its_model_never_reaches_the_fallback(box: Box) -> None:
+    # issue 35: a key limited to models uses no fallback model outside its list.
+    code, _, created = box.call("POST", "/admin/keys", {"name": "scoped", "models": [CHAT]})
+    assert code == 201, created
+    with chat_hot(box):
+        started = time.monotonic()
+        assert_queued_then_503(*chat(box, key=created["key"]), started)
+        assert_served_by_small(*chat(box))  # the same moment, a key without a limit
+
+
 def test_fallback_down_too_queues_for_the_model_and_503s_as_before(box: Box) -> None:
     small_id = box.engine_of(SMALL)["id"]
     code, _, body = box.call("POST", f"/admin/engines/{small_id}/drain")

@@ -108,6 +108,7 @@ GOOD: list[tuple[str, Any, Any, dict[str, Any]]] = [
     ("engine.reasoning_parser", "deepseek_r1", "deepseek_r1", {}),
     ("engine.responses_store", False, False, {}),
     ("engine.structured_outputs_backend", "xgrammar", "xgrammar", {}),
+    ("engine.scheduling", "fcfs", "fcfs", {}),
     ("engine.allow_prompt_logprobs", True, True, {}),
     (
         "engine.allowed_media_domains",
@@ -237,6 +238,7 @@ BAD: list[Any] = [
     ("engine.reasoning_parser", "r1", '"r1"', "allowed: cohere_command3,"),
     ("engine.responses_store", "yes", '"yes"', "must be true or false"),
     ("engine.structured_outputs_backend", "xgr", '"xgr"', 'one of "guidance", "xgrammar"'),
+    ("engine.scheduling", "lifo", '"lifo"', 'one of "priority", "fcfs"'),
     ("engine.allow_prompt_logprobs", 1, "1", "must be true or false"),
     (
         "engine.allowed_media_domains",

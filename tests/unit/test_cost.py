@@ -17,7 +17,14 @@ import pytest
 from appliance.config import GatewayConfig
 from appliance.gateway.cost import MEDIA_PART_TOKENS, TOKENS_PER_MESSAGE, text_tokens
 from appliance.gateway.errors import GatewayError
-from appliance.gateway.request_body import ParsedRequest, _dump, parse_body
+from appliance.gateway.request_body import (
+    ParsedRequest,
+    _dump,
+    engine_priority,
+    finish_body,
+    open_body,
+    parse_body,
+)
 
 CAP = 1000
 MML = 4096  # engine.max_model_len
@@ -294,3 +301,56 @@ def test_the_completion_bound_is_what_admission_charged_for() -> None:
     assert bound("chat", chat(max_tokens=50, n=3))[1] == 150
     assert bound("completions", completion(["a", "b"], max_tokens=7, best_of=2))[1] == 28
     assert bound("embeddings", {"model": "m", "input": "x"})[1] == 0
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "priority", "sent", "header"),
+    [
+        # a batch key's priority goes in front of the client's bytes, nothing re-serialised
+        ("chat", chat(max_tokens=5), 10, 10, None),
+        ("completions", completion("x"), 10, 10, None),
+        ("embeddings", {"model": "m", "input": "x"}, 10, 10, None),
+        # an interactive key's 0 is vLLM's default: nothing written
+        ("chat", chat(max_tokens=5), 0, None, None),
+        # a client's own priority never reaches the engine: replaced, or taken out
+        ("chat", chat(max_tokens=5, priority=-5), 10, 10, None),
+        ("chat", chat(max_tokens=5, priority=-5), 0, None, None),
+        ("chat", chat(max_tokens=5, priority=None), None, None, None),
+        ("chat", chat(max_tokens=5, priority=-5), None, None, None),  # fcfs
+        ("chat", chat(max_tokens=5), None, None, None),  # fcfs: nothing sent
+        # Messages: vLLM reads it from the X-Vllm-Priority header; its body has none
+        ("messages", {"model": "m", "messages": MSG, "max_tokens": 5}, 10, None, 10),
+        (
+            "messages",
+            {"model": "m", "messages": MSG, "max_tokens": 5, "priority": 3},
+            0,
+            None,
+            None,
+        ),
+    ],
+)
+def test_the_engine_is_sent_the_keys_priority_never_the_clients(
+    route: str, body: dict[str, Any], priority: int | None, sent: int | None, header: int | None
+) -> None:
+    raw = json.dumps(body).encode()
+    opened = open_body(route, raw)
+    parsed = finish_body(route, opened, {}, LIMITS, MML, priority=priority)
+    forwarded = json.loads(parsed.body)
+    assert forwarded.get("priority") == sent and ("priority" in forwarded) == (sent is not None)
+    assert parsed.priority_header == header
+    if "priority" not in body and sent is not None:
+        assert parsed.body == b'{"priority":%d,' % sent + raw[1:]  # inserted, not rewritten
+
+
+def test_a_stream_gets_its_usage_and_its_priority_in_one_insertion() -> None:
+    raw = json.dumps(chat(max_tokens=5, stream=True)).encode()
+    parsed = finish_body("chat", open_body("chat", raw), {}, LIMITS, MML, priority=10)
+    assert parsed.body == (b'{"stream_options":{"include_usage":true},"priority":10,' + raw[1:])
+
+
+@pytest.mark.parametrize(
+    ("scheduling", "key_class", "expected"),
+    [("priority", "interactive", 0), ("priority", "batch", 10), ("fcfs", "batch", None)],
+)
+def test_engine_priority(scheduling: str, key_class: str, expected: int | None) -> None:
+    assert engine_priority(scheduling, key_class) == expected

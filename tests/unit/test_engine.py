@@ -7,6 +7,7 @@ import itertools
 import re
 import urllib.parse
 from collections.abc import Collection
+from typing import Any
 
 import pytest
 
@@ -22,7 +23,7 @@ from appliance.engine import (
     new_api_key,
 )
 from appliance.engine_cpu import choose_cpu_dtype, cpu_core_sets, omp_bind
-from appliance.errors import IllegalTransition
+from appliance.errors import ConfigError, IllegalTransition
 
 S = EngineState
 
@@ -299,6 +300,43 @@ def test_an_embedding_model_gets_no_generation_flags() -> None:
     cfg = parse_config({"models": [{"name": "e", "model": "packaged:all-minilm-l6-v2"}]})
     argv = argv_for(cfg, gpu=None)
     assert "--structured-outputs-config" not in argv and "--allowed-media-domains" not in argv
+
+
+@pytest.mark.parametrize(
+    ("config", "expected"),
+    [
+        ({}, "priority"),  # the default: the gateway sends each request's priority
+        ({"engine": {"scheduling": "fcfs"}}, None),  # vLLM's own default: no flag
+        (
+            {"engine": {"scheduling": "fcfs"}, "models": [{"name": "m", "scheduling": "priority"}]},
+            "priority",
+        ),
+        ({"models": [{"name": "m", "scheduling": "fcfs"}]}, None),
+        ({"models": [{"name": "e", "model": "packaged:all-minilm-l6-v2"}]}, "priority"),
+        # the admin's own flag wins, spaced or with '='
+        ({"engine": {"extra_args": ["--scheduling-policy", "fcfs"]}}, "fcfs"),
+        ({"engine": {"extra_args": ["--scheduling-policy=fcfs"]}}, None),
+    ],
+)
+def test_the_scheduling_policy_reaches_the_command_line(
+    config: dict[str, Any], expected: str | None
+) -> None:
+    argv = argv_for(parse_config(config), gpu=None)
+    if expected is None:
+        assert "--scheduling-policy" not in argv
+    else:
+        assert option(argv, "--scheduling-policy") == expected
+
+
+def test_a_custom_command_gets_no_scheduling_flag() -> None:
+    cfg = parse_config({"engine": {"command": ["serve", "{model}", "--uds", "{uds}"]}})
+    assert argv_for(cfg, gpu=None) == ("serve", MODEL, "--uds", SOCK)
+
+
+def test_scheduling_is_checked() -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config({"engine": {"scheduling": "lifo"}})
+    assert 'engine.scheduling = "lifo": must be one of "priority", "fcfs"' in str(info.value)
 
 
 # ---------------------------------------------------------------------------------------

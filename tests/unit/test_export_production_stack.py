@@ -38,6 +38,7 @@ GUARD_ARGS = [
     "--allowed-media-domains",
     "media.invalid",
 ]
+SCHEDULING_ARGS = ["--scheduling-policy", "priority"]  # engine.scheduling's default
 GUARD_ENV = [
     {"name": "VLLM_ENFORCE_STRICT_TOOL_CALLING", "value": "0"},
     {"name": "VLLM_MEDIA_URL_ALLOW_REDIRECTS", "value": "0"},
@@ -138,6 +139,7 @@ CASES: list[tuple[str, dict[str, Any], str | None, dict[str, Any]]] = [
                 "--max-num-batched-tokens",
                 "4096",
                 *GUARD_ARGS,
+                *SCHEDULING_ARGS,
             ],
         },
     ),
@@ -153,6 +155,7 @@ CASES: list[tuple[str, dict[str, Any], str | None, dict[str, Any]]] = [
                 "--max-num-batched-tokens",
                 "8192",
                 *GUARD_ARGS,
+                *SCHEDULING_ARGS,
                 "--enforce-eager",
             ],
         },
@@ -200,6 +203,7 @@ CASES: list[tuple[str, dict[str, Any], str | None, dict[str, Any]]] = [
                 "--reasoning-parser",
                 "qwen3",
                 *GUARD_ARGS,
+                *SCHEDULING_ARGS,
             ],
         },
     ),

@@ -181,6 +181,7 @@ def test_record_scopes_and_public_dict(store: KeyStore) -> None:
         "expires_at",
         "fallback",
         "max_inflight",
+        "models",
     }
     assert both.key_hash not in repr(both)
 
@@ -267,6 +268,12 @@ def test_required_scope(path: str, scope: str | None) -> None:
         ({"name": "x", "scopes": [{"a": 1}]}, "scopes"),
         ({"name": "x", "priority": ["batch"]}, "priority"),
         ({"name": 5}, "name"),
+        ({"name": "x", "models": []}, "models"),
+        ({"name": "x", "models": 5}, "models"),
+        ({"name": "x", "models": [5]}, "models"),
+        ({"name": "x", "models": [""]}, "models"),
+        ({"name": "x", "models": ["x" * 257]}, "models"),
+        ({"name": "x", "models": ["m"] * 65}, "models"),
     ],
 )
 def test_create_validates_its_arguments(
@@ -331,13 +338,14 @@ def test_the_file_is_held_to_the_same_bounds_with_the_same_words(
         ("rpm", 10**400),
         ("tpm", keys_mod.MAX_TPM + 1),
         ("scopes", 5),
+        ("models", []),
         ("created_at", 10**400),  # used to escape as an OverflowError
         ("expires_at", 10**400),
     ]:
         _write_doc(keys_path, {"version": 1, "keys": [{**good, field: value}]})
         with pytest.raises(KeysFileError, match=rf"keys\[0\]\.{field}: ") as info:
             KeyStore(keys_path).load()
-        if field in ("rpm", "tpm", "scopes"):
+        if field in ("rpm", "tpm", "scopes", "models"):
             with pytest.raises(KeySpecError) as api:
                 KeyStore(keys_path.with_name("other.json")).new_key("a", **{field: value})
             assert api.value.reason in str(info.value)
@@ -389,6 +397,7 @@ def test_file_and_directory_modes_and_no_secret_on_disk(store: KeyStore, keys_pa
         "expires_at",
         "fallback",
         "max_inflight",
+        "models",
         "key_hash",
     }
 
@@ -869,3 +878,20 @@ def test_a_symlinked_admin_key_is_replaced_not_followed(daemon_dir: Path, victim
     assert _snapshot(victim) == before
     assert not admin.is_symlink() and _mode(admin) == 0o600
     assert parse_key_id(admin.read_text().strip()) is not None
+
+
+def test_models_are_kept_in_order_and_an_old_file_without_them_allows_every_model(
+    store: KeyStore, keys_path: Path
+) -> None:
+    rec, _ = store.create(name="a", models=[" chat ", "embed", "chat"])
+    assert rec.models == ("chat", "embed")
+    assert rec.public_dict()["models"] == ["chat", "embed"]
+    again = KeyStore(keys_path)
+    again.load()
+    assert again.get(rec.id) == rec
+    old = {k: v for k, v in rec.stored_dict().items() if k != "models"}
+    _write_doc(keys_path, {"version": 1, "keys": [old]})
+    older = KeyStore(keys_path)
+    older.load()
+    loaded = older.get(rec.id)
+    assert loaded is not None and loaded.models is None

@@ -195,6 +195,10 @@ def test_list_rows_start_with_the_id_and_never_show_a_secret(run: Run) -> None:
         "--no-fallback",
         "--max-inflight",
         "4",
+        "--model",
+        "chat",
+        "--model",
+        "embed",
     )
     keys = [out1.strip(), out2.strip()]
     ids = [k.split("-")[2] for k in keys]
@@ -212,6 +216,7 @@ def test_list_rows_start_with_the_id_and_never_show_a_secret(run: Run) -> None:
         "PRIORITY",
         "FALLBACK",
         "INFLIGHT",
+        "MODELS",
         "EXPIRES",
         "CREATED",
         "STATUS",
@@ -225,6 +230,8 @@ def test_list_rows_start_with_the_id_and_never_show_a_secret(run: Run) -> None:
     assert [row[fallback : fallback + 3].strip() for row in rows] == ["yes", "no"]
     inflight = header.index("INFLIGHT")
     assert [row[inflight : inflight + 8].split()[0] for row in rows] == ["-", "4"]
+    models = header.index("MODELS")
+    assert [row[models:].split()[0] for row in rows] == ["all", "chat,embed"]
     for key in keys:
         assert key not in out
         assert key.split("-", 3)[3] not in out
@@ -234,6 +241,7 @@ def test_list_rows_start_with_the_id_and_never_show_a_secret(run: Run) -> None:
     data = json.loads(out)
     assert [d["id"] for d in data] == ids
     assert [d["max_inflight"] for d in data] == [0, 4]
+    assert [d["models"] for d in data] == [None, ["chat", "embed"]]
     assert all(d["status"] == "active" for d in data)
     assert all("key_hash" not in d for d in data)
     for key in keys:
@@ -395,3 +403,10 @@ def test_max_inflight_is_a_whole_number_from_0(run: Run) -> None:
         code, out, err = run("keys", "create", "--name", "a", "--max-inflight", bad)
         assert code == 2 and out == "", (bad, err)
         assert "max_inflight: must be a whole number from 0 (no cap) to 100000" in err
+
+
+def test_models_are_printable_names(run: Run) -> None:
+    for bad in ("", " ", "a\tb", "x" * 257):
+        code, out, err = run("keys", "create", "--name", "a", "--model", bad)
+        assert code == 2 and out == "", (bad, err)
+        assert "models: each model must be a non-empty printable name" in err

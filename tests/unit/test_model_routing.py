@@ -17,7 +17,15 @@ from appliance.endpoint import EngineAddress
 from appliance.engine import EngineState
 from appliance.gateway.admission import Admission
 from appliance.gateway.errors import GatewayError
-from appliance.gateway.models import candidates, model_list, resolve
+from appliance.gateway.models import (
+    candidates,
+    check_key_allows,
+    key_allows,
+    model_list,
+    resolve,
+    resolve_named,
+    visible_models,
+)
 from appliance.gateway.request_body import finish_body, open_body
 
 
@@ -154,3 +162,56 @@ async def test_a_model_with_no_engine_that_may_serve_is_refused_at_once() -> Non
         await adm.acquire(1, model="embed")
     assert refused.value.code == "no_engine" and "'embed'" in refused.value.message
     assert await adm.acquire(1, model="chat") == 0
+
+
+ADAPTERS = {"chat-sql": "chat"}  # an adapter of chat
+
+
+@pytest.mark.parametrize(
+    ("allowed", "asked", "expected"),
+    [
+        (None, "chat", True),  # no limit (a key made before the field existed)
+        (None, "ada", True),
+        (("chat",), "chat", True),
+        (("chat",), "gpt-4o-mini", True),  # its alias follows it
+        (("chat",), "chat-sql", True),  # and its adapter
+        (("chat",), "embed", False),
+        (("chat",), "ada", False),
+        (("gpt-4o-mini",), "chat", True),  # named by an alias: the model
+        (("ada",), "embed", True),
+        (("chat-sql",), "chat-sql", True),  # an adapter named by itself
+        (("chat-sql",), "chat", False),  # does not open its base model
+        (("gone",), "chat", False),  # a name no longer served opens nothing
+    ],
+)
+def test_a_key_limited_to_models(
+    allowed: tuple[str, ...] | None, asked: str, expected: bool
+) -> None:
+    config = two_models()
+    route = "embeddings" if asked in ("embed", "ada") else "chat"
+    served, sent = resolve_named(config, asked, route, ADAPTERS)
+    assert key_allows(config, allowed, served, sent) is expected
+    if expected:
+        check_key_allows(config, allowed, served, sent, asked)
+        return
+    with pytest.raises(GatewayError) as info:
+        check_key_allows(config, allowed, served, sent, asked)
+    err = info.value
+    assert (err.status, err.code, err.param) == (403, "model_not_allowed", "model")
+    assert asked in err.message
+
+
+@pytest.mark.parametrize(
+    ("allowed", "names", "adapters"),
+    [
+        (None, ["chat", "embed"], ["chat-sql"]),
+        (("ada",), ["embed"], []),
+        (("gpt-4o-mini",), ["chat"], ["chat-sql"]),
+        (("chat-sql",), [], ["chat-sql"]),
+    ],
+)
+def test_a_key_sees_only_its_models(
+    allowed: tuple[str, ...] | None, names: list[str], adapters: list[str]
+) -> None:
+    served, shown = visible_models(two_models(), ADAPTERS, allowed)
+    assert [m.name for m in served] == names and list(shown) == adapters

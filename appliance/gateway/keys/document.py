@@ -22,6 +22,7 @@ from appliance.gateway.keys.fields import (
     validate_key_hash,
     validate_limit,
     validate_max_inflight,
+    validate_models,
     validate_name,
     validate_priority,
     validate_scopes,
@@ -45,6 +46,7 @@ class KeyRecord:
     key_hash: str = field(repr=False)
     fallback: bool = True  # its requests may go to their model's fallback model
     max_inflight: int = 0  # its requests in flight at once, beyond: they wait; 0 = no cap
+    models: tuple[str, ...] | None = None  # the models it may use; None: every model
 
     def is_expired(self, now: float | None = None) -> bool:
         now = time.time() if now is None else now
@@ -67,6 +69,7 @@ class KeyRecord:
             "expires_at": self.expires_at,
             "fallback": self.fallback,
             "max_inflight": self.max_inflight,
+            "models": None if self.models is None else list(self.models),
         }
 
     def stored_dict(self) -> dict[str, Any]:
@@ -104,6 +107,7 @@ def _parse_record(item: object, where: str) -> KeyRecord:
             # absent in files written before the field existed: allowed, as before
             fallback=validate_fallback(item.get("fallback")),
             max_inflight=validate_max_inflight(item.get("max_inflight")),
+            models=validate_models(item.get("models")),
         )
     except KeySpecError as exc:
         raise ValueError(f"{where}.{exc.field}: {exc.reason}") from None

@@ -30,6 +30,8 @@ MAX_RPM = 1_000_000  # requests per minute: far beyond what one box serves
 MAX_TPM = 1_000_000_000  # tokens per minute: likewise
 MAX_EXPIRES_DAYS = 36_500  # 100 years: a key that should outlive that needs no expiry
 MAX_INFLIGHT = 100_000  # requests in flight per key: far beyond what one box runs at once
+MAX_MODELS = 64  # models one key may name: far beyond what one box serves
+MAX_MODEL_NAME_LEN = 256  # a model name (config names, aliases, adapters are shorter)
 _LIMIT_MAXIMA = {"rpm": MAX_RPM, "tpm": MAX_TPM}
 _SHOWN_MAX = 40
 _ID_RE = re.compile(r"[0-9a-f]{8}")
@@ -143,6 +145,41 @@ def validate_max_inflight(value: object) -> int:
         "max_inflight",
         f"must be a whole number from 0 (no cap) to {MAX_INFLIGHT}; got {_show(value)}",
     )
+
+
+def validate_models(value: object) -> tuple[str, ...] | None:
+    """The models the key may use (issue 35), by name, alias or adapter name as the config
+    and the adapters say them; a model's aliases and adapters follow it (checked at
+    request time, :func:`appliance.gateway.models.model_allowed`). None: every model
+    (keys made before the field existed, and the default). Names are kept in the order
+    given, duplicates dropped; whether a name is served is not checked here: `keys
+    create` runs without the daemon, and a model may be added to the config later."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, (list, tuple)):
+        raise KeySpecError("models", f"must be a list of model names, got {type(value).__name__}")
+    if not value:
+        raise KeySpecError("models", "at least one model is needed; leave it unset for every model")
+    if len(value) > MAX_MODELS:
+        raise KeySpecError("models", f"at most {MAX_MODELS} models, got {len(value)}")
+    names: list[str] = []
+    for item in value:
+        if (
+            not isinstance(item, str)
+            or not item.strip()
+            or len(item) > MAX_MODEL_NAME_LEN
+            or any(not ch.isprintable() for ch in item)
+        ):
+            raise KeySpecError(
+                "models",
+                f"each model must be a non-empty printable name of at most "
+                f"{MAX_MODEL_NAME_LEN} characters, got {_show(item)}",
+            )
+        if item.strip() not in names:
+            names.append(item.strip())
+    return tuple(names)
 
 
 def validate_expires_days(value: object) -> float | None:

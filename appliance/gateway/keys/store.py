@@ -47,6 +47,7 @@ from appliance.gateway.keys.fields import (
     validate_fallback,
     validate_limit,
     validate_max_inflight,
+    validate_models,
     validate_name,
     validate_priority,
     validate_scopes,
@@ -251,6 +252,7 @@ class KeyStore:
         now: float | None = None,
         fallback: object = None,
         max_inflight: object = None,
+        models: object = None,
     ) -> tuple[KeyRecord, str]:
         """A validated new record and its full key, not yet added or saved."""
         rec_name = validate_name(name)
@@ -260,6 +262,7 @@ class KeyStore:
         days = validate_expires_days(expires_days)
         rec_fallback = validate_fallback(fallback)
         rec_max_inflight = validate_max_inflight(max_inflight)
+        rec_models = validate_models(models)
         now = time.time() if now is None else now
         key_id = new_key_id(self._records)
         key = new_key(key_id)
@@ -275,6 +278,7 @@ class KeyStore:
             key_hash=hash_key(key),
             fallback=rec_fallback,
             max_inflight=rec_max_inflight,
+            models=rec_models,
         )
         return record, key
 
@@ -294,16 +298,18 @@ class KeyStore:
         expires_days: object = None,
         fallback: object = None,
         max_inflight: object = None,
+        models: object = None,
     ) -> tuple[KeyRecord, str]:
         """Add a key and save; returns (record, full key ``sk-la-<id>-<secret>``). The full
         key exists only in this return value. KeySpecError for bad arguments (nothing is
         written), KeysFileError when the file cannot be read or written."""
         # validate before locking
         args = (name, scopes, rpm, tpm, priority, expires_days)
-        self.new_key(*args, fallback=fallback, max_inflight=max_inflight)
+        extra = (fallback, max_inflight, models)
+        self.new_key(*args, None, *extra)
         with self.locked():
             self.load()  # another process may have changed it; a corrupt file stops here
-            record, key = self.new_key(*args, fallback=fallback, max_inflight=max_inflight)
+            record, key = self.new_key(*args, None, *extra)  # None: now
             with self._undo_on_failure():
                 self.add(record)
                 self.save()
