@@ -335,6 +335,9 @@ DAEMON_ONLY: dict[str, str | None] = {
     "telemetry.interval_s": None,
     "thermal.heat_restart_after_s": None,
     "thermal.heat_restore_after_s": None,
+    # Switched by a reload in tests/unit/test_heat_watch.py (the heat loop reads it at
+    # each reading).
+    "thermal.governor": None,
     "health.interval_s": (
         "test_operator_paths.py::test_health_interval_changed_by_reload_applies_to_running_engines"
     ),
