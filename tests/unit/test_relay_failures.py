@@ -96,7 +96,7 @@ async def relay_client(gw: FakeGateway) -> AsyncIterator[tuple[TestClient[Any, A
 
     async def chat(request: web.Request) -> web.StreamResponse:
         request["key"] = SimpleNamespace(
-            id="k", rpm=None, tpm=None, priority="interactive", max_inflight=0
+            id="k", rpm=None, tpm=None, priority="interactive", max_inflight=0, models=None
         )
         try:
             return await relay.chat(request)
