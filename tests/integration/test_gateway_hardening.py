@@ -156,10 +156,15 @@ def test_a_flood_of_malformed_requests_costs_a_few_log_lines_and_leaks_nothing(
     assert len(answers) == 1000
     for raw in answers:
         status, headers, body = parse(raw)
-        assert status == 400, raw[:300]
+        # On a busy box (CI runs engines beside it) a connection whose head the loop
+        # reads after header_timeout_s (1 s here) is cut at 408 first: a refusal too, and
+        # what this test is about (nothing leaks, few lines) holds the same.
+        assert status in (400, 408), raw[:300]
         assert headers["content-type"].startswith("application/json")
-        assert openai_error(body)["message"].startswith("malformed HTTP request")
+        if status == 400:
+            assert openai_error(body)["message"].startswith("malformed HTTP request")
         assert FAKE_KEY.encode() not in raw
+    assert sum(parse(raw)[0] == 400 for raw in answers) >= len(answers) // 2
     # The daemon is still fine, and says little: one line per kind of error.
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
     conn.request("GET", "/v1/models", headers={"Authorization": f"Bearer {key}"})

@@ -63,9 +63,12 @@ CHAT = {
     "messages": [{"role": "user", "content": "hi"}],
 }
 
+# The key comes on standard input, never on the command line: runuser logs its session
+# to the journal with its whole command line (_CMDLINE), and the journal must hold no key.
 _HTTP = """
 import sys, urllib.request, urllib.error
-url, key, body, method, timeout = sys.argv[1:6]
+url, body, method, timeout = sys.argv[1:5]
+key = sys.stdin.readline().strip()
 h = {"Content-Type": "application/json"}
 if key:
     h["Authorization"] = "Bearer " + key
@@ -181,7 +184,6 @@ class Front:
             "-c",
             _HTTP,
             url,
-            key,
             data,
             method or ("POST" if data else "GET"),
         ]
@@ -190,7 +192,7 @@ class Front:
             argv = ["runuser", "-u", user, "--", *argv]
         if from_lan:
             argv = ["nsenter", "-t", self.lan_pid, "-n", *argv]
-        r = self.box.run(argv, timeout=60)
+        r = self.box.run(argv, timeout=60, input=key + "\n")
         code, _, out = r.stdout.partition("\n")
         return int(code or 0), out
 
