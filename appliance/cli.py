@@ -189,8 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     setup_mod.add_arguments(p)
     p.set_defaults(func=setup_mod.run)
 
-    from appliance import status
-    from appliance.gateway import keys_cli
+    from appliance import keys_cli, status
 
     keys_cli.add_parser(sub, common)
     status.add_parser(sub, common)

@@ -3,7 +3,7 @@ goes between a byte pipe and the appliance.
 
 Both speak HTTP/1.1 to the client, send its POST to the engine's Unix socket on a
 pooled keep-alive connection and splice the engine's chunks back with the appliance's own
-engine side (``appliance.gateway.splice``: the same ``UpstreamConnection``, pool and
+engine side (``appliance.gateway.wire.splice``: the same ``UpstreamConnection``, pool and
 head-with-the-first-chunk write). No key check, body check, cost, admission, routing,
 usage accounting or metrics: the client's ``Authorization`` goes to the engine as it came.
 
@@ -31,15 +31,15 @@ import uvloop
 from aiohttp import web
 
 from appliance.endpoint import EngineAddress
-from appliance.gateway.http1 import Head, request_bytes
-from appliance.gateway.splice import UpstreamConnection
-from appliance.gateway.stream_writes import (
+from appliance.gateway.wire.http1 import Head, request_bytes
+from appliance.gateway.wire.splice import UpstreamConnection
+from appliance.gateway.wire.stream_writes import (
     CHUNKED_END,
     HeldHeadResponse,
     ended_by_caller,
     take_head,
 )
-from appliance.gateway.upstream_pool import UpstreamPool
+from appliance.gateway.wire.upstream_pool import UpstreamPool
 from bench.pipe import RelayProcess, run_relay
 
 SERVERS = ("aiohttp", "raw")

@@ -14,7 +14,7 @@ What runs inside the loop is the appliance's code, not a copy:
 :func:`appliance.policy.predictive.govern_predictive` (predictive) turn each reading
 into a level, :func:`appliance.policy.thermal.scale_budget` turns the level into the
 engine's sequence and token budgets exactly as the gateway's admission does
-(``appliance/gateway/admission.py``, ``loads``), and :func:`appliance.policy.routing.route`
+(``appliance/gateway/admission/gate.py``, ``loads``), and :func:`appliance.policy.routing.route`
 picks the engine for each waiting request. What is modelled instead of run: the GPU,
 its driver and vLLM's batch (below), and the gateway's queue (one FIFO, with
 ``max_queue`` and ``queue_timeout_s``; the real one also puts interactive keys before

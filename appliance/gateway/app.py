@@ -25,32 +25,32 @@ from appliance.control import Appliance, ModelDoor, NoModels
 from appliance.endpoint import EngineAddress
 from appliance.engine import EngineState
 from appliance.errors import ApplianceError
-from appliance.gateway.adapter_work import AdapterWork
-from appliance.gateway.admin import Admin
-from appliance.gateway.admission import Admission
-from appliance.gateway.engine_owners import EngineOwners
-from appliance.gateway.fallback import FallbackRecorder, add_model_header
-from appliance.gateway.fd_room import ensure_fd_room
+from appliance.gateway.accounting.book import UsageBook, usage_path
+from appliance.gateway.admin.routes import Admin
+from appliance.gateway.admission.adapter_work import AdapterWork
+from appliance.gateway.admission.engine_owners import EngineOwners
+from appliance.gateway.admission.fallback import FallbackRecorder, add_model_header
+from appliance.gateway.admission.gate import Admission
+from appliance.gateway.admission.models import candidates
+from appliance.gateway.admission.ratelimit import RateLimiter
+from appliance.gateway.http.fd_room import ensure_fd_room
+from appliance.gateway.http.middleware import GATEWAY as GATEWAY  # re-exported: serve.py, tests
+from appliance.gateway.http.middleware import gateway_middleware
+from appliance.gateway.http.server import ConnectionLimits, GatewayRunner
 from appliance.gateway.keys import (
     KeysFileError,
     KeyStore,
     KeyWatcher,
     ensure_admin_key,
 )
-from appliance.gateway.metrics import GatewayMetrics
-from appliance.gateway.middleware import GATEWAY as GATEWAY  # re-exported: serve.py, tests
-from appliance.gateway.middleware import gateway_middleware
-from appliance.gateway.model_metrics import ModelCollector
-from appliance.gateway.models import candidates
-from appliance.gateway.probes import Probes
+from appliance.gateway.observe.metrics import GatewayMetrics
+from appliance.gateway.observe.model_metrics import ModelCollector
+from appliance.gateway.observe.probes import Probes
+from appliance.gateway.observe.ui import StatusPage
 from appliance.gateway.protocols import ALL as ALL_ROUTES
-from appliance.gateway.proxy import Relay
-from appliance.gateway.ratelimit import RateLimiter
-from appliance.gateway.request_body import add_lowered_header
-from appliance.gateway.server import ConnectionLimits, GatewayRunner
-from appliance.gateway.ui import StatusPage
-from appliance.gateway.upstream_pool import UpstreamPool
-from appliance.gateway.usage import UsageBook, usage_path
+from appliance.gateway.relay.handlers import Relay
+from appliance.gateway.relay.request_body import add_lowered_header
+from appliance.gateway.wire.upstream_pool import UpstreamPool
 from appliance.state_writes import WriteHealth
 
 log = logging.getLogger("appliance.gateway")

@@ -1,5 +1,5 @@
 """An engine that does not keep to HTTP/1.1's framing, as the streams' clients see it
-(security issue #20, item 5; the relay is appliance/gateway/splice.py).
+(security issue #20, item 5; the relay is appliance/gateway/wire/splice.py).
 
 - An engine that answers twice: the next user's stream is its own answer, never the
   stray one (a connection the engine wrote to while idle is closed, not reused).
@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from appliance.gateway.http1 import MAX_CHUNK_BYTES
+from appliance.gateway.wire.http1 import MAX_CHUNK_BYTES
 from tests.fakes.appliance_proc import Appliance, fake_engine_config, run_appliance
 
 pytestmark = pytest.mark.slow

@@ -31,7 +31,7 @@ from typing import Any
 import psutil
 import pytest
 
-from appliance.gateway.http1 import scan_chunks
+from appliance.gateway.wire.http1 import scan_chunks
 from tests.fakes.appliance_proc import REPO, Appliance, fake_engine_config, run_appliance
 
 pytestmark = pytest.mark.slow

@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from appliance.gateway.http1 import scan_chunks
+from appliance.gateway.wire.http1 import scan_chunks
 from tests.fakes.appliance_proc import STEADY_HEALTH, Appliance, fake_engine_config, run_appliance
 
 pytestmark = pytest.mark.slow

@@ -14,10 +14,10 @@ from appliance.config import Config, EngineConfig, GatewayConfig
 from appliance.control import EngineStatus
 from appliance.endpoint import EngineAddress
 from appliance.engine import EngineState
-from appliance.gateway.admission import Admission
+from appliance.gateway.admission.gate import Admission
+from appliance.gateway.admission.ratelimit import RateLimiter
+from appliance.gateway.admission.wait_queue import Waiter, WaitQueue, fair_order
 from appliance.gateway.errors import GatewayError
-from appliance.gateway.ratelimit import RateLimiter
-from appliance.gateway.wait_queue import Waiter, WaitQueue, fair_order
 
 
 def make(

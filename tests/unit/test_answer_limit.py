@@ -13,9 +13,9 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from appliance.gateway.http1 import AnswerTooLarge
-from appliance.gateway.splice import UpstreamConnection
-from appliance.gateway.via_client import read_limited
+from appliance.gateway.relay.via_client import read_limited
+from appliance.gateway.wire.http1 import AnswerTooLarge
+from appliance.gateway.wire.splice import UpstreamConnection
 
 LIMIT = 64 * 1024
 BIG = 4 * 1024 * 1024

@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 
 from appliance.config import GatewayConfig
-from appliance.gateway.cost import MEDIA_PART_TOKENS, TOKENS_PER_MESSAGE, text_tokens
 from appliance.gateway.errors import GatewayError
-from appliance.gateway.request_body import (
+from appliance.gateway.protocols.cost import MEDIA_PART_TOKENS, TOKENS_PER_MESSAGE, text_tokens
+from appliance.gateway.relay.request_body import (
     ParsedRequest,
     _dump,
     engine_priority,

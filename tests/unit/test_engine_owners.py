@@ -13,8 +13,8 @@ from appliance.config import parse_config
 from appliance.control import CommandResult, EngineStatus
 from appliance.endpoint import EngineAddress
 from appliance.engine import EngineState
-from appliance.gateway.admission import Admission
-from appliance.gateway.engine_owners import EngineOwners
+from appliance.gateway.admission.engine_owners import EngineOwners
+from appliance.gateway.admission.gate import Admission
 
 READY = EngineState.READY
 

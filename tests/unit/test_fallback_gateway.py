@@ -18,8 +18,8 @@ from appliance.config import Config, parse_config
 from appliance.control import EngineStatus
 from appliance.endpoint import EngineAddress
 from appliance.engine import EngineState
-from appliance.gateway.admission import Admission
-from appliance.gateway.fallback import FallbackRecorder, fallback_allowed, model_room
+from appliance.gateway.admission.fallback import FallbackRecorder, fallback_allowed, model_room
+from appliance.gateway.admission.gate import Admission
 from appliance.gateway.keys import KeyRecord, KeyStore
 from appliance.gateway.keys.errors import KeySpecError
 from appliance.gateway.keys.fields import validate_fallback

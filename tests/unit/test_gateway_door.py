@@ -34,7 +34,7 @@ from appliance.control import (
 from appliance.endpoint import EngineAddress
 from appliance.engine import EngineState
 from appliance.engine_cpu import CpuDtype
-from appliance.gateway import admin
+from appliance.gateway.admin import routes as admin
 from appliance.gateway.app import GATEWAY, create_app
 from appliance.telemetry import GpuReading
 from tests.fakes.fake_engine import FakeEngine, parse_args

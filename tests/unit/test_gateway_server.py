@@ -22,11 +22,11 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from appliance.gateway import fd_room, server
 from appliance.gateway.errors import GatewayError
-from appliance.gateway.fd_room import ensure_fd_room
-from appliance.gateway.protocol_errors import ThrottledLog
-from appliance.gateway.server import BodyTimeout, ConnectionLimits, GatewayRunner
+from appliance.gateway.http import fd_room, server
+from appliance.gateway.http.fd_room import ensure_fd_room
+from appliance.gateway.http.protocol_errors import ThrottledLog
+from appliance.gateway.http.server import BodyTimeout, ConnectionLimits, GatewayRunner
 
 FAKE_KEY = b"sk-la-FAKEKEYDONOTLOG0123456789abcdef"
 # serve runs on uvloop where it is installed, whose transports differ from asyncio's

@@ -1,4 +1,4 @@
-"""How much JSON structure one request body may carry (appliance/gateway/json_bounds.py)."""
+"""How much JSON structure one request body may carry (appliance/gateway/relay/json_bounds.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from appliance.gateway.errors import GatewayError
-from appliance.gateway.json_bounds import (
+from appliance.gateway.relay.json_bounds import (
     MAX_CONTAINERS,
     MAX_DEPTH,
     MAX_VALUES,
@@ -16,7 +16,7 @@ from appliance.gateway.json_bounds import (
     check_structure,
     may_exceed,
 )
-from appliance.gateway.request_body import open_body
+from appliance.gateway.relay.request_body import open_body
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 

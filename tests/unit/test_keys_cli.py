@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from appliance.gateway import keys_cli
+from appliance import keys_cli
 from appliance.gateway.keys import (
     MAX_EXPIRES_DAYS,
     MAX_RPM,

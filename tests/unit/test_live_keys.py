@@ -33,9 +33,9 @@ from appliance.config import Config, DegradationConfig, ThermalConfig, parse_con
 from appliance.control import EngineStatus
 from appliance.endpoint import EngineAddress
 from appliance.engine import EngineState
-from appliance.gateway.admission import Admission
+from appliance.gateway.admission.gate import Admission
 from appliance.gateway.errors import GatewayError
-from appliance.gateway.request_body import parse_body
+from appliance.gateway.relay.request_body import parse_body
 from appliance.health import HealthHistory, Observation, assess
 from appliance.policy import degradation
 from appliance.policy.degradation import EMPTY_BASELINE, Baseline, EngineSample

@@ -20,8 +20,8 @@ from appliance.config.lora import (
     with_lora,
 )
 from appliance.errors import ConfigError
+from appliance.gateway.admission.models import model_cards, resolve_named
 from appliance.gateway.errors import GatewayError
-from appliance.gateway.models import model_cards, resolve_named
 from tests.fakes.lora_files import fake_adapter
 
 CPU = {"device": "cpu"}

@@ -15,9 +15,8 @@ from appliance.config import Config, GatewayConfig, parse_config
 from appliance.control import EngineStatus
 from appliance.endpoint import EngineAddress
 from appliance.engine import EngineState
-from appliance.gateway.admission import Admission
-from appliance.gateway.errors import GatewayError
-from appliance.gateway.models import (
+from appliance.gateway.admission.gate import Admission
+from appliance.gateway.admission.models import (
     candidates,
     check_key_allows,
     key_allows,
@@ -26,7 +25,8 @@ from appliance.gateway.models import (
     resolve_named,
     visible_models,
 )
-from appliance.gateway.request_body import finish_body, open_body
+from appliance.gateway.errors import GatewayError
+from appliance.gateway.relay.request_body import finish_body, open_body
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,8 @@ import dataclasses
 from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
 
+from appliance.gateway.admission.open_requests import KEY_REVOKED, OpenRequest, OpenRequests
 from appliance.gateway.keys import KeyRecord
-from appliance.gateway.open_requests import KEY_REVOKED, OpenRequest, OpenRequests
 
 KEY = KeyRecord(
     id="0123abcd",

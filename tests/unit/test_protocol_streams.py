@@ -22,11 +22,11 @@ from typing import Any
 import pytest
 
 from appliance.endpoint import EngineAddress
-from appliance.gateway.http1 import count_whole_chunks, request_bytes
+from appliance.gateway.accounting.counts import EventUsage, Usage
+from appliance.gateway.accounting.stream_tap import StreamTap
 from appliance.gateway.protocols import ROUTES, messages, responses
-from appliance.gateway.upstream_pool import UpstreamPool
-from appliance.gateway.usage_counts import EventUsage, Usage
-from appliance.gateway.usage_events import StreamTap
+from appliance.gateway.wire.http1 import count_whole_chunks, request_bytes
+from appliance.gateway.wire.upstream_pool import UpstreamPool
 from tests.fakes.owners import in_process
 
 DATA = Path(__file__).parents[1] / "data" / "vllm-0.32-streams"

@@ -1,13 +1,13 @@
 """/readyz's word for each model, and when a box with nothing admitting is still ready
-(models on demand, issue 23): :func:`appliance.gateway.probes.model_word` and
-:func:`~appliance.gateway.probes.loadable`, as tables."""
+(models on demand, issue 23): :func:`appliance.gateway.observe.probes.model_word` and
+:func:`~appliance.gateway.observe.probes.loadable`, as tables."""
 
 from __future__ import annotations
 
 import pytest
 
 from appliance.engine import EngineState
-from appliance.gateway.probes import loadable, model_word
+from appliance.gateway.observe.probes import loadable, model_word
 
 E = EngineState
 

@@ -1,6 +1,6 @@
 """504 or 502 when the engine fails before answering, decided by the failure's type.
 
-The relay (appliance/gateway/proxy.py) runs in-process against a small fake gateway
+The relay (appliance/gateway/relay/handlers.py) runs in-process against a small fake gateway
 with one engine, and a client talks to it over real HTTP: a streamed request takes the
 splice path, a non-streamed one aiohttp's client. A connect that times out is 504; a
 refused connection, bad HTTP, an engine's own 5xx or an engine the supervisor gave up on
@@ -25,12 +25,12 @@ from aiohttp.test_utils import TestClient, TestServer
 from appliance.config import Config, EngineConfig
 from appliance.control import NoModels
 from appliance.endpoint import EngineAddress, EngineOwner
-from appliance.gateway import upstream_pool
 from appliance.gateway.errors import GatewayError
-from appliance.gateway.http1 import UpstreamError
-from appliance.gateway.proxy import Relay
-from appliance.gateway.splice import UpstreamConnection
-from appliance.gateway.upstream_pool import UpstreamPool
+from appliance.gateway.relay.handlers import Relay
+from appliance.gateway.wire import upstream_pool
+from appliance.gateway.wire.http1 import UpstreamError
+from appliance.gateway.wire.splice import UpstreamConnection
+from appliance.gateway.wire.upstream_pool import UpstreamPool
 from tests.fakes.owners import in_process
 
 # The handler stores the caller's key record under a plain string, as the gateway's

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from prometheus_client import generate_latest
 
-from appliance.gateway.metrics import GatewayMetrics
+from appliance.gateway.observe.metrics import GatewayMetrics
 
 
 def counting_labels(monkeypatch: pytest.MonkeyPatch, metric: Any) -> list[tuple[str, ...]]:

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from appliance.endpoint import EngineAddress
-from appliance.gateway import splice, upstream_pool
-from appliance.gateway.http1 import (
+from appliance.gateway.wire import splice, upstream_pool
+from appliance.gateway.wire.http1 import (
     MAX_CHUNK_BYTES,
     AnswerTooLarge,
     ChunkTooLarge,
@@ -28,7 +28,7 @@ from appliance.gateway.http1 import (
     request_bytes,
     scan_chunks,
 )
-from appliance.gateway.upstream_pool import UpstreamPool
+from appliance.gateway.wire.upstream_pool import UpstreamPool
 from tests.fakes.owners import in_process
 
 OK_HEAD = (

@@ -21,11 +21,11 @@ from appliance import audit, fsutil
 from appliance.audit import AuditLog
 from appliance.doctor.result import Account
 from appliance.doctor.state_files import check_state_writes
-from appliance.gateway.admin import keys_file_error
+from appliance.gateway.accounting.book import UsageBook, read_usage
+from appliance.gateway.admin.routes import keys_file_error
+from appliance.gateway.admission.ratelimit import RateLimiter
 from appliance.gateway.keys import KeysFileError, KeyStore
-from appliance.gateway.metrics import GatewayMetrics
-from appliance.gateway.ratelimit import RateLimiter
-from appliance.gateway.usage import UsageBook, read_usage
+from appliance.gateway.observe.metrics import GatewayMetrics
 from appliance.state_writes import Failing, WriteHealth, step
 
 ENOSPC = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
@@ -203,7 +203,7 @@ def test_usage_that_cannot_be_saved_stays_counted_is_said_once_and_is_written_la
     def full(p: Path, data: bytes, mode: int = 0o600) -> None:
         raise fsutil.FileWriteError(f"cannot write {p} ({NO_SPACE})", ENOSPC)
 
-    monkeypatch.setattr("appliance.gateway.usage.atomic_write", full)
+    monkeypatch.setattr("appliance.gateway.accounting.book.atomic_write", full)
     with caplog.at_level(logging.INFO, logger="appliance.gateway"):
         for i in range(4):  # four periodic saves while the disk is full
             book.add("k1", 1, 1, now=1000.0 + i)
@@ -213,7 +213,7 @@ def test_usage_that_cannot_be_saved_stays_counted_is_said_once_and_is_written_la
     assert len(errors) == 1 and str(path) in errors[0] and NO_SPACE in errors[0]
     assert book.writes.errors_total == 4
 
-    monkeypatch.setattr("appliance.gateway.usage.atomic_write", real)
+    monkeypatch.setattr("appliance.gateway.accounting.book.atomic_write", real)
     book.save(now=1010.0)  # the next periodic save, with space again
     counts = read_usage(path)
     assert counts is not None and counts.totals == {"k1": [14, 9]}

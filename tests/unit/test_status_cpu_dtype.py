@@ -16,7 +16,7 @@ import pytest
 from appliance import paths
 from appliance.config import parse_config
 from appliance.control import ApplianceStatus, NoModels
-from appliance.gateway.admin import status_document
+from appliance.gateway.admin.routes import status_document
 from appliance.plan import plan_engines
 
 

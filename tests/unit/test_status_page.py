@@ -16,9 +16,9 @@ from appliance.control import ApplianceStatus, EngineStatus, GpuStatus
 from appliance.endpoint import EngineAddress
 from appliance.engine import EngineState
 from appliance.gateway.keys import required_scope
-from appliance.gateway.ui.events import Event, audit_event, diff_events
-from appliance.gateway.ui.history import Figures, History, sample_of
-from appliance.gateway.ui.sampler import TAIL_BYTES, AuditTail
+from appliance.gateway.observe.ui.events import Event, audit_event, diff_events
+from appliance.gateway.observe.ui.history import Figures, History, sample_of
+from appliance.gateway.observe.ui.sampler import TAIL_BYTES, AuditTail
 from appliance.telemetry import GpuReading
 from tests.unit.test_gateway_door import Box, box  # noqa: F401  (the fixture)
 

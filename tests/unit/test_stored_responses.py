@@ -12,14 +12,14 @@ from dataclasses import dataclass
 
 import pytest
 
+from appliance.gateway.accounting.counts import EventUsage, Usage
 from appliance.gateway.errors import GatewayError
-from appliance.gateway.stored_responses import (
+from appliance.gateway.relay.stored_responses import (
     REPLAY,
     Holder,
     StoredResponses,
     replays_stream,
 )
-from appliance.gateway.usage_counts import EventUsage, Usage
 
 
 @dataclass

@@ -8,7 +8,7 @@ from __future__ import annotations
 from aiohttp import ClientSession, TCPConnector, web
 from aiohttp.test_utils import TestServer
 
-from appliance.gateway.stream_writes import (
+from appliance.gateway.wire.stream_writes import (
     CHUNKED_END,
     HeldHeadResponse,
     ended_by_caller,

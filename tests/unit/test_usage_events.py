@@ -13,11 +13,11 @@ from typing import Any
 
 import pytest
 
-from appliance.gateway import usage_events
-from appliance.gateway.http1 import count_whole_chunks, is_whole_chunks, scan_chunks
-from appliance.gateway.usage_counts import Usage, usage_of_answer
-from appliance.gateway.usage_events import StreamTap
-from appliance.gateway.usage_plan import insert_stream_usage, plan_usage
+from appliance.gateway.accounting import stream_tap as usage_events
+from appliance.gateway.accounting.counts import Usage, usage_of_answer
+from appliance.gateway.accounting.plan import insert_stream_usage, plan_usage
+from appliance.gateway.accounting.stream_tap import StreamTap
+from appliance.gateway.wire.http1 import count_whole_chunks, is_whole_chunks, scan_chunks
 
 FP = "vllm-0.32.0-1a2b3c4d"
 HEAD = '"id":"chatcmpl-1","object":"chat.completion.chunk","created":7,"model":"m"'

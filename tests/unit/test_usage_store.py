@@ -12,12 +12,12 @@ from typing import cast
 import pytest
 from prometheus_client import CollectorRegistry
 
-from appliance.gateway.answers import EngineCall
-from appliance.gateway.ratelimit import RateLimiter
-from appliance.gateway.usage import HOUR_S, KEEP_HOURS, UsageBook, read_usage, usage_path
-from appliance.gateway.usage_counts import Usage
-from appliance.gateway.usage_events import Metering, StreamTap
-from appliance.gateway.usage_plan import UsagePlan, plan_usage
+from appliance.gateway.accounting.book import HOUR_S, KEEP_HOURS, UsageBook, read_usage, usage_path
+from appliance.gateway.accounting.counts import Usage
+from appliance.gateway.accounting.plan import UsagePlan, plan_usage
+from appliance.gateway.accounting.stream_tap import Metering, StreamTap
+from appliance.gateway.admission.ratelimit import RateLimiter
+from appliance.gateway.relay.answers import EngineCall
 
 T0 = 1_700_000_000.0  # a fixed clock
 

@@ -21,7 +21,7 @@ imports, so ``from appliance.gateway.keys import X`` is the way in:
 Generic file helpers (atomic replace, no-follow opens, keeping the owner) are in
 :mod:`appliance.fsutil`. File I/O here is blocking (small files, but an fsync and a
 lock): from the event loop, run ``create``/``revoke``/``ensure_admin_key`` through
-``asyncio.to_thread``. The CLI is :mod:`appliance.gateway.keys_cli`.
+``asyncio.to_thread``. The CLI is :mod:`appliance.keys_cli`.
 """
 
 from appliance.gateway.keys.check import check_keys_file

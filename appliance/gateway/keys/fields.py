@@ -150,7 +150,7 @@ def validate_max_inflight(value: object) -> int:
 def validate_models(value: object) -> tuple[str, ...] | None:
     """The models the key may use (issue 35), by name, alias or adapter name as the config
     and the adapters say them; a model's aliases and adapters follow it (checked at
-    request time, :func:`appliance.gateway.models.model_allowed`). None: every model
+    request time, :func:`appliance.gateway.admission.models.model_allowed`). None: every model
     (keys made before the field existed, and the default). Names are kept in the order
     given, duplicates dropped; whether a name is served is not checked here: `keys
     create` runs without the daemon, and a model may be added to the config later."""

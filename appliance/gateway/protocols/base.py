@@ -11,7 +11,7 @@ What a route says:
   the model tasks that serve it (``tasks``: a route a model does not serve is a 400
   naming the routes it does);
 - **the body**: the input it cannot do without (``check``: a 400 naming the field),
-  what it costs an engine (``cost``: a :class:`appliance.gateway.cost.Cost`, with the
+  what it costs an engine (``cost``: a :class:`appliance.gateway.protocols.cost.Cost`, with the
   field the forwarded body must carry, if any), the most prompt tokens the engine can
   count (``prompt_bound``: what a request cut off before its count is charged), and
   anything the gateway writes into the forwarded body (``prepare``), the fields that ask
@@ -33,9 +33,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from appliance.config import GatewayConfig
-from appliance.gateway.cost import Cost
+from appliance.gateway.accounting.counts import EventUsage, Usage
 from appliance.gateway.errors import GatewayError, Shape, sse_error_event
-from appliance.gateway.usage_counts import EventUsage, Usage
+from appliance.gateway.protocols.cost import Cost
 
 Check = Callable[[Mapping[str, Any]], None]
 Costing = Callable[[Mapping[str, Any], GatewayConfig, int], Cost]

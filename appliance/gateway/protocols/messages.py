@@ -31,17 +31,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from appliance.config import GatewayConfig
-from appliance.gateway.cost import (
-    MEDIA_PART_TOKENS,
-    TEMPLATE_TOKENS,
-    TOKENS_PER_MESSAGE,
-    TOOLS_TOKENS,
-    Cost,
-    json_bound,
-    strings_tokens,
-    text_bound,
-    text_tokens,
-)
+from appliance.gateway.accounting.counts import EventUsage, Usage, is_count
 from appliance.gateway.errors import anthropic_error_body
 from appliance.gateway.protocols.base import (
     COUNT,
@@ -53,8 +43,18 @@ from appliance.gateway.protocols.base import (
     sse_data,
     sse_event_name,
 )
+from appliance.gateway.protocols.cost import (
+    MEDIA_PART_TOKENS,
+    TEMPLATE_TOKENS,
+    TOKENS_PER_MESSAGE,
+    TOOLS_TOKENS,
+    Cost,
+    json_bound,
+    strings_tokens,
+    text_bound,
+    text_tokens,
+)
 from appliance.gateway.protocols.tools import anthropic_calls_tools
-from appliance.gateway.usage_counts import EventUsage, Usage, is_count
 
 PATHS = ("/v1/messages", "/v1/messages/count_tokens")
 MEDIA_BLOCKS = ("image", "document")  # not bounded by their bytes

@@ -27,16 +27,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from appliance.config import GatewayConfig
-from appliance.gateway.cost import (
-    TEMPLATE_TOKENS,
-    TOKENS_PER_MESSAGE,
-    TOOLS_TOKENS,
-    Cost,
-    json_bound,
-    strings_tokens,
-    text_bound,
-    text_tokens,
-)
+from appliance.gateway.accounting.counts import EventUsage, Usage, is_count
 from appliance.gateway.errors import GatewayError
 from appliance.gateway.protocols.base import (
     COUNT,
@@ -48,8 +39,17 @@ from appliance.gateway.protocols.base import (
     sse_data,
     sse_event_name,
 )
+from appliance.gateway.protocols.cost import (
+    TEMPLATE_TOKENS,
+    TOKENS_PER_MESSAGE,
+    TOOLS_TOKENS,
+    Cost,
+    json_bound,
+    strings_tokens,
+    text_bound,
+    text_tokens,
+)
 from appliance.gateway.protocols.tools import openai_calls_tools
-from appliance.gateway.usage_counts import EventUsage, Usage, is_count
 
 ID_PREFIX = "resp_"
 # The events that carry the response's final usage (the stream's last).

@@ -14,8 +14,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from appliance.config import GatewayConfig
-from appliance.gateway.cost import Cost, chat_prompt_tokens, prompt_bound, text_bound, text_tokens
 from appliance.gateway.protocols.base import Route, bad_request, counted_tokens, no_count
+from appliance.gateway.protocols.cost import (
+    Cost,
+    chat_prompt_tokens,
+    prompt_bound,
+    text_bound,
+    text_tokens,
+)
 
 TASKS = ("generate", "embed")
 

@@ -1,0 +1,316 @@
+"""Tokens used per API key: counted from the engine's own ``usage``, kept across restarts.
+
+Each try of a request on an engine, however it ends, adds its prompt and completion
+tokens (the engine's own, or an upper bound when they never came: usage_events.charged)
+to its key id (never the
+secret): to ``appliance_key_tokens_total{key,kind}`` and to :class:`UsageBook`, which
+keeps per key the totals and hourly buckets (31 days of them, so ``keys usage --since``
+can answer for any window up to that, at an hour's grain).
+
+Where: ``usage.json`` beside the keys file (``gateway.keys_file``; by default the state
+directory), for the reasons audit.log is there: ``llm-appliance keys usage`` run by root
+or the service user finds it from the config alone. The daemon writes it atomically
+(:func:`appliance.fsutil.atomic_write`, 0600) every :data:`SAVE_INTERVAL_S` when something
+changed, and on stop; a crash loses at most that interval.
+
+A save that fails (a full disk) leaves the last good file as it was (atomic_write never
+replaces it with a half one) and loses nothing: the counts stay in memory, keep counting,
+and the whole of them is written by the next save that works. The failure is said once
+per episode and counted (:attr:`UsageBook.writes`, :mod:`appliance.state_writes`), never
+once per 10 s; requests never wait on the file.
+
+A file that cannot be read as ours is renamed aside (``usage.json.corrupt-<time>``), with
+an ERROR in the journal, and counting starts afresh: usage is worth keeping, never worth
+refusing to start over.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, Counter
+
+from appliance.fsutil import SAFE_OPEN, FileWriteError, atomic_write
+from appliance.gateway.accounting.counts import is_count
+from appliance.gateway.accounting.stream_tap import charged
+from appliance.gateway.admission.ratelimit import RateLimiter
+from appliance.state_writes import WriteHealth, iso
+
+if TYPE_CHECKING:
+    from appliance.gateway.relay.answers import EngineCall
+
+log = logging.getLogger("appliance.gateway")
+
+USAGE_FILE = "usage.json"
+FORMAT = 1
+SAVE_INTERVAL_S = 10.0
+HOUR_S = 3600
+KEEP_HOURS = 31 * 24
+MAX_FILE_BYTES = 64 * 1024 * 1024
+SETTLED = "usage_settled"  # on the client request: its tpm charge was settled
+
+
+class UsageFileError(Exception):
+    """The usage file exists but is not a usage file this version can read."""
+
+
+def usage_path(keys_file: Path) -> Path:
+    """Where the usage of the appliance whose keys file is ``keys_file`` is kept."""
+    return keys_file.with_name(USAGE_FILE)
+
+
+def _hour(ts: float) -> int:
+    return int(ts // HOUR_S) * HOUR_S
+
+
+class UsageCounts:
+    """Per key id: totals and hourly buckets of prompt and completion tokens."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, list[int]] = {}
+        self.hours: dict[str, dict[int, list[int]]] = {}
+
+    def add(self, key_id: str, prompt: int, completion: int, now: float) -> None:
+        total = self.totals.setdefault(key_id, [0, 0])
+        total[0] += prompt
+        total[1] += completion
+        bucket = self.hours.setdefault(key_id, {}).setdefault(_hour(now), [0, 0])
+        bucket[0] += prompt
+        bucket[1] += completion
+
+    def since(self, start: float | None) -> dict[str, tuple[int, int]]:
+        """(prompt, completion) per key id: all time, or in the hours from the one holding
+        ``start`` on (an hour's grain: the first hour counts whole)."""
+        if start is None:
+            return {k: (v[0], v[1]) for k, v in self.totals.items()}
+        first = _hour(start)
+        out: dict[str, tuple[int, int]] = {}
+        for key_id, hours in self.hours.items():
+            p = sum(v[0] for h, v in hours.items() if h >= first)
+            c = sum(v[1] for h, v in hours.items() if h >= first)
+            if p or c:
+                out[key_id] = (p, c)
+        return out
+
+    def prune(self, now: float) -> None:
+        oldest = _hour(now) - KEEP_HOURS * HOUR_S
+        for hours in self.hours.values():
+            for h in [h for h in hours if h < oldest]:
+                del hours[h]
+
+    # ---- the file ----------------------------------------------------------------------
+    def to_json(self, now: float) -> bytes:
+        keys = {
+            key_id: {
+                "prompt_tokens": total[0],
+                "completion_tokens": total[1],
+                "hours": {str(h): v for h, v in sorted(self.hours.get(key_id, {}).items())},
+            }
+            for key_id, total in sorted(self.totals.items())
+        }
+        doc = {"format": FORMAT, "saved_at": round(now, 3), "keys": keys}
+        return json.dumps(doc, separators=(",", ":")).encode() + b"\n"
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> UsageCounts:
+        """Raises UsageFileError when ``raw`` is not a usage file of this format."""
+        try:
+            doc = json.loads(raw)
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+            raise UsageFileError(f"not JSON ({exc})") from None
+        if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+            raise UsageFileError(f"not a usage file of format {FORMAT}")
+        keys = doc.get("keys")
+        if not isinstance(keys, dict):
+            raise UsageFileError("'keys' is not an object")
+        counts = cls()
+        for key_id, entry in keys.items():
+            counts.totals[key_id] = _pair(entry, key_id)
+            hours = entry.get("hours", {})
+            if not isinstance(hours, dict):
+                raise UsageFileError(f"key {key_id}: 'hours' is not an object")
+            try:
+                counts.hours[key_id] = {int(h): _counts(v, key_id) for h, v in hours.items()}
+            except ValueError:
+                raise UsageFileError(f"key {key_id}: an hour is not a number") from None
+        return counts
+
+
+def _pair(entry: Any, key_id: str) -> list[int]:
+    if not isinstance(entry, dict):
+        raise UsageFileError(f"key {key_id}: not an object")
+    p, c = entry.get("prompt_tokens"), entry.get("completion_tokens")
+    if not (is_count(p) and is_count(c)):
+        raise UsageFileError(f"key {key_id}: token counts are not counts")
+    return [p, c]
+
+
+def _counts(v: Any, key_id: str) -> list[int]:
+    if not (isinstance(v, list) and len(v) == 2 and all(is_count(x) for x in v)):
+        raise UsageFileError(f"key {key_id}: an hourly bucket is not [prompt, completion]")
+    return [v[0], v[1]]
+
+
+def read_usage(path: Path) -> UsageCounts | None:
+    """The counts in ``path``; None when there is no file yet. Raises UsageFileError when
+    it cannot be read as one, OSError when it cannot be read at all."""
+    try:
+        fd = os.open(path, os.O_RDONLY | SAFE_OPEN)
+    except FileNotFoundError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        raw = f.read(MAX_FILE_BYTES + 1)
+    if len(raw) > MAX_FILE_BYTES:
+        raise UsageFileError(f"larger than {MAX_FILE_BYTES} bytes")
+    return UsageCounts.from_json(raw)
+
+
+class UsageBook:
+    """The daemon's running count: the metric, the file, and its periodic save."""
+
+    def __init__(self, path: Path, registry: CollectorRegistry, ratelimiter: RateLimiter) -> None:
+        self.path = path
+        self.ratelimiter = ratelimiter
+        self.counts = UsageCounts()
+        self.dirty = False
+        self.writes = WriteHealth(
+            "usage.json",
+            path,
+            log,
+            "usage keeps counting in memory and is saved whole by the next save that works "
+            f"(every {SAVE_INTERVAL_S:.0f} s)",
+        )
+        self._task: asyncio.Task[None] | None = None
+        self._children: dict[str, tuple[Any, Any]] = {}
+        self.tokens = Counter(
+            "appliance_key_tokens",
+            "Tokens used per API key id, from the engine's own usage (kind: prompt|completion)",
+            ["key", "kind"],
+            registry=registry,
+        )
+
+    def add(self, key_id: str, prompt: int, completion: int, now: float | None = None) -> None:
+        if prompt <= 0 and completion <= 0:
+            return
+        self.counts.add(key_id, prompt, completion, time.time() if now is None else now)
+        self.dirty = True
+        children = self._children.get(key_id)
+        if children is None:  # labels() per request is a lock and a dict lookup each
+            children = (
+                self.tokens.labels(key_id, "prompt"),
+                self.tokens.labels(key_id, "completion"),
+            )
+            self._children[key_id] = children
+        if prompt > 0:
+            children[0].inc(prompt)
+        if completion > 0:
+            children[1].inc(completion)
+
+    def load(self) -> None:
+        """The counts kept by the last run; a corrupt file is renamed aside (logged)."""
+        try:
+            counts = read_usage(self.path)
+        except UsageFileError as exc:
+            self._set_aside(str(exc))
+            return
+        except OSError as exc:
+            log.error("cannot read %s (%s); counting usage afresh", self.path, exc.strerror or exc)
+            return
+        if counts is not None:
+            self.counts = counts
+
+    def _set_aside(self, why: str) -> None:
+        stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+        aside = self.path.with_name(f"{self.path.name}.corrupt-{stamp}")
+        try:
+            os.replace(self.path, aside)
+        except OSError as exc:
+            log.error(
+                "%s is not a usage file (%s) and cannot be renamed aside (%s); counting "
+                "usage afresh, and the next save replaces it",
+                self.path,
+                why,
+                exc.strerror or exc,
+            )
+            return
+        log.error(
+            "%s is not a usage file (%s): kept as %s; counting usage afresh", self.path, why, aside
+        )
+
+    def save(self, now: float | None = None) -> None:
+        """Write the file if anything changed since the last write; errors are logged."""
+        data = self._snapshot(time.time() if now is None else now)
+        if data is not None:
+            self._write(data)
+
+    def _snapshot(self, now: float) -> bytes | None:
+        """The file's next content, taken on the event loop (add() changes the counts
+        there), or None when nothing changed."""
+        if not self.dirty:
+            return None
+        self.counts.prune(now)
+        self.dirty = False
+        return self.counts.to_json(now)
+
+    def _write(self, data: bytes) -> None:
+        try:
+            atomic_write(self.path, data)
+        except FileWriteError as exc:
+            self.dirty = True  # the counts in memory are whole: the next save writes them
+            self.writes.failed(exc)  # said once per episode, counted every time
+        else:
+            self.writes.succeeded()
+
+    # ---- the end of a request ----------------------------------------------------------
+    def finish(self, call: EngineCall) -> None:
+        """One try on one engine ended, however it ended (proxy.py calls this from the
+        try's one ``finally``): count what it used for its key (:func:`charged`: the
+        engine's own count, or a bound never below what the engine did), and debit the
+        key's tpm bucket with that instead of the admission charge."""
+        record = call.client.get("key")
+        if record is None:
+            return
+        usage = charged(call.meter, call.parsed.usage)
+        self.add(record.id, usage.prompt, usage.completion)
+        # The charge goes back once per request: a second engine's try (a retry after the
+        # first failed before the client saw a byte, which counts nothing) debits what it
+        # used, and is not given the charge back again.
+        charge = 0 if call.client.get(SETTLED) else call.parsed.tpm_charge
+        call.client[SETTLED] = True
+        self.ratelimiter.settle(record.id, record.tpm, charge, usage.prompt + usage.completion)
+
+    # ---- the daemon's life -------------------------------------------------------------
+    def start(self) -> None:
+        self.load()
+        self._task = asyncio.get_running_loop().create_task(self._save_every())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        self.save()
+        failing = self.writes.failing
+        if failing is not None:
+            log.error(
+                "usage counted since %s is lost: %s could not be saved at stop (%s)",
+                iso(failing.since),
+                self.path,
+                failing.reason,
+            )
+
+    async def _save_every(self) -> None:
+        while True:
+            await asyncio.sleep(SAVE_INTERVAL_S)
+            data = self._snapshot(time.time())
+            if data is not None:
+                # Small and rare, but fsync can stall: off the event loop.
+                await asyncio.to_thread(self._write, data)

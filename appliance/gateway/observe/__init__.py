@@ -1,0 +1,1 @@
+"""What monitoring and people see: probes, Prometheus metrics and the status page."""
