@@ -7,6 +7,10 @@ each engine through the link it implements (:class:`Gateway` is a ``GatewayLink`
 never imports the supervisor. One middleware (:mod:`.middleware`) does, for every
 request: authentication and scope, every refusal in its protocol's error shape, and the
 request metrics. ``/healthz``, ``/readyz`` and ``/metrics`` are answered in :mod:`.probes`.
+
+This module is the gateway's composition: :class:`Gateway` builds every part and hands
+each the few others it uses; no part takes the Gateway itself, and nothing imports it
+but the composition root (serve.py) and tests.
 """
 
 from __future__ import annotations
@@ -17,13 +21,10 @@ import ssl
 from collections.abc import Sequence
 from pathlib import Path
 
-import aiohttp
 from aiohttp import web
 
 from appliance.audit import AuditLog
 from appliance.control import Appliance, ModelDoor, NoModels
-from appliance.endpoint import EngineAddress
-from appliance.engine import EngineState
 from appliance.errors import ApplianceError
 from appliance.gateway.accounting.book import UsageBook, usage_path
 from appliance.gateway.admin.routes import Admin
@@ -31,11 +32,9 @@ from appliance.gateway.admission.adapter_work import AdapterWork
 from appliance.gateway.admission.engine_owners import EngineOwners
 from appliance.gateway.admission.fallback import FallbackRecorder, add_model_header
 from appliance.gateway.admission.gate import Admission
-from appliance.gateway.admission.models import candidates
 from appliance.gateway.admission.ratelimit import RateLimiter
 from appliance.gateway.http.fd_room import ensure_fd_room
-from appliance.gateway.http.middleware import GATEWAY as GATEWAY  # re-exported: serve.py, tests
-from appliance.gateway.http.middleware import gateway_middleware
+from appliance.gateway.http.middleware import GatewayMiddleware
 from appliance.gateway.http.server import ConnectionLimits, GatewayRunner
 from appliance.gateway.keys import (
     KeysFileError,
@@ -45,9 +44,11 @@ from appliance.gateway.keys import (
 )
 from appliance.gateway.observe.metrics import GatewayMetrics
 from appliance.gateway.observe.model_metrics import ModelCollector
-from appliance.gateway.observe.probes import Probes
+from appliance.gateway.observe.probes import Probes, Readiness
+from appliance.gateway.observe.status_document import StatusDocument
 from appliance.gateway.observe.ui import StatusPage
 from appliance.gateway.protocols import ALL as ALL_ROUTES
+from appliance.gateway.relay.engine_ways import EngineSessions, EngineWays
 from appliance.gateway.relay.handlers import Relay
 from appliance.gateway.relay.request_body import add_lowered_header
 from appliance.gateway.wire.upstream_pool import UpstreamPool
@@ -84,17 +85,36 @@ class Gateway:
         self.metrics.attach(appliance, self.admission)
         self.metrics.attach_state_files(self.state_files)
         self.fallbacks = FallbackRecorder(self.metrics.fallbacks)
-        # Non-streamed requests' engine connections: one client session per engine address
-        # (a Unix socket needs a connector of its own), made on first use.
-        self._sessions: dict[EngineAddress, aiohttp.ClientSession] = {}
         # Whose each TCP engine's connections must be (none for Unix sockets).
         self.owners = EngineOwners(appliance, self.admission)
+        self.sessions = EngineSessions(self.owners.owner_of)  # whole answers' connections
         self.upstreams = UpstreamPool(self.owners.owner_of)  # streamed requests' connections
-        self.relay = Relay(self)
         self.adapter_work = AdapterWork()  # requests per LoRA adapter (its removal waits)
         # Models on demand: the supervisor's side of it, or none (unit tests' fakes).
         self.model_door: ModelDoor = appliance if isinstance(appliance, ModelDoor) else NoModels()
         self.metrics.registry.register(ModelCollector(self.model_door))
+        self.relay = Relay(
+            appliance,
+            self.model_door,
+            self.admission,
+            self.ratelimiter,
+            self.adapter_work,
+            self.fallbacks,
+            self.usage,
+            self.metrics,
+            EngineWays(
+                lambda: appliance.config,
+                self.sessions,
+                self.upstreams,
+                self.metrics.first_byte,
+            ),
+        )
+        self.readiness = Readiness(
+            appliance, self.keys, self.admission, self.model_door, self.state_files
+        )
+        self.status_document = StatusDocument(
+            appliance, self.admission, self.keys, self.readiness, self.model_door, self.state_files
+        )
 
     # ---- GatewayLink (called by the supervisor) ----------------------------------------
     def inflight(self, engine_id: int) -> int:
@@ -107,12 +127,10 @@ class Gateway:
         self.admission.observe_kv(engine_id, usage)
 
     def kv_tripped(self, engine_id: int) -> bool:
-        return self.admission.kv_tripped.get(engine_id, False)
+        return self.admission.kv_open(engine_id)
 
     def set_throttle(self, engine_id: int, level: int) -> None:
-        if self.admission.throttle_level.get(engine_id, 0) != level:
-            self.admission.throttle_level[engine_id] = level
-            self.admission.kick()
+        self.admission.set_throttle(engine_id, level)
 
     def engines_changed(self) -> None:
         self.admission.kick()
@@ -130,7 +148,7 @@ class Gateway:
     def keys_changed(self) -> None:
         """Other keys are in force (a reload, a revoke): a revoked or expired key's open
         requests end now (open_requests.py)."""
-        self.relay.keys_changed()
+        self.relay.keys_changed(self.keys.records)
 
     def reload(self) -> None:
         self.watcher.reload_now()
@@ -155,32 +173,6 @@ class Gateway:
         """How the writes of each state file go (usage.json, audit.log, keys.json)."""
         return (self.usage.writes, self.audit.writes, self.keys.writes)
 
-    def has_other_engine(self, exclude: frozenset[int], model: str | None = None) -> bool:
-        """A READY engine of ``model`` (None: any) beyond ``exclude``, to retry on."""
-        return any(
-            e.state is EngineState.READY and e.id not in exclude
-            for e in candidates(model, self.appliance.engines())
-        )
-
-    def session_for(self, address: EngineAddress) -> aiohttp.ClientSession:
-        session = self._sessions.get(address)
-        if session is None:
-            # Many concurrent requests: aiohttp's default of 100 connections would queue
-            # them. Idle connections are dropped after 2 s, before vLLM's own 5 s close can
-            # race a request sent on one (aiohttp does not retry a POST;
-            # upstream_pool.MAX_IDLE_S likewise). A TCP engine's new connections are
-            # checked to be its own before a request is written on them.
-            connector = address.connector(
-                self.owners.owner_of(address), limit=0, force_close=False, keepalive_timeout=2.0
-            )
-            session = aiohttp.ClientSession(
-                connector=connector,
-                trust_env=False,
-                auto_decompress=False,
-            )
-            self._sessions[address] = session
-        return session
-
     async def on_startup(self, app: web.Application) -> None:
         self.watcher.start()
         self.usage.start()
@@ -190,8 +182,10 @@ class Gateway:
         await self.usage.stop()
         self.audit.close()  # audit lines still waiting for a full disk: one last try
         self.upstreams.close()
-        for session in self._sessions.values():
-            await session.close()
+        await self.sessions.close()
+
+
+GATEWAY: web.AppKey[Gateway] = web.AppKey("gateway", Gateway)
 
 
 def create_app(appliance: Appliance, audit: AuditLog | None = None) -> web.Application:
@@ -200,20 +194,38 @@ def create_app(appliance: Appliance, audit: AuditLog | None = None) -> web.Appli
     gw = Gateway(appliance, audit)
     app = web.Application(
         client_max_size=appliance.config.gateway.max_body_bytes,
-        middlewares=[gateway_middleware],
+        middlewares=[
+            GatewayMiddleware(lambda: appliance.config, gw.keys, gw.adapter_work, gw.metrics)
+        ],
         handler_args={},
     )
     app[GATEWAY] = gw
     r = app.router
-    Probes(gw).add_routes(r)  # /healthz, /readyz, /metrics
+    Probes(appliance, gw.readiness, gw.metrics.registry).add_routes(r)  # probes, /metrics
     r.add_get("/v1/models", gw.relay.models)
     for route in ALL_ROUTES:  # every protocol's routes (protocols/), and no others
         for path in route.client_paths:
             r.add_post(path, gw.relay.handler_for(route))
     r.add_get("/v1/responses/{response_id}", gw.relay.pinned.stored_response)
     r.add_post("/v1/responses/{response_id}/cancel", gw.relay.pinned.stored_response)
-    Admin(gw).add_routes(r)
-    StatusPage(gw).install(app)  # /ui, / and /admin/history; its history sampler
+    Admin(
+        appliance,
+        gw.admission,
+        gw.keys,
+        gw.model_door,
+        gw.audit,
+        gw.status_document,
+        gw.keys_changed,
+    ).add_routes(r)
+    StatusPage(  # /ui, / and /admin/history; its history sampler
+        appliance,
+        gw.status_document,
+        gw.admission,
+        gw.metrics,
+        gw.keys,
+        gw.usage,
+        gw.audit.path,
+    ).install(app)
     app.on_response_prepare.append(add_model_header)
     app.on_response_prepare.append(add_lowered_header)
     app.on_startup.append(gw.on_startup)

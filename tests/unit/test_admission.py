@@ -91,14 +91,14 @@ async def test_spreads_by_outstanding_tokens_and_respects_the_sequence_budget() 
 
 async def test_hard_throttled_engine_gets_nothing_new() -> None:
     adm, _, _ = make(max_inflight=4)
-    adm.throttle_level[0] = 4
+    adm.set_throttle(0, 4)
     assert [await adm.acquire(1) for _ in range(4)] == [1, 1, 1, 1]
     assert adm.inflight(0) == 0
 
 
 async def test_soft_level_halves_the_sequence_budget() -> None:
     adm, _, _ = make(n=1, max_inflight=4, queue_timeout_s=0.05)
-    adm.throttle_level[0] = 2  # 50 %
+    adm.set_throttle(0, 2)  # 50 %
     await adm.acquire(1)
     await adm.acquire(1)
     with pytest.raises(GatewayError) as ei:

@@ -157,7 +157,7 @@ def admission(states: tuple[EngineState, EngineState] = (READY, READY)) -> Admis
 
 def test_a_hot_model_falls_back_to_a_cool_one_and_a_full_fallback_does_not() -> None:
     adm = admission()
-    adm.throttle_level[0] = HARD_LEVEL
+    adm.set_throttle(0, HARD_LEVEL)
     assert adm.try_acquire(10, None, "chat") is None  # nothing reserved, nothing queued
     assert adm.queue_depth == 0 and adm.inflight(0) == 0
     chat, small = adm.room("chat", 10), adm.room("small", 10)

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import socket
+import tempfile
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, cast
+from typing import Any
 from unittest import mock
 
 import aiohttp
@@ -23,14 +26,23 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from appliance.config import Config, EngineConfig
-from appliance.control import NoModels
+from appliance.control import EngineStatus, NoModels
 from appliance.endpoint import EngineAddress, EngineOwner
+from appliance.engine import EngineState
+from appliance.gateway.accounting.book import UsageBook
+from appliance.gateway.admission.adapter_work import AdapterWork
+from appliance.gateway.admission.fallback import FallbackRecorder
+from appliance.gateway.admission.gate import Admission
+from appliance.gateway.admission.ratelimit import RateLimiter
 from appliance.gateway.errors import GatewayError
+from appliance.gateway.observe.metrics import GatewayMetrics
+from appliance.gateway.relay.engine_ways import EngineSessions, EngineWays
 from appliance.gateway.relay.handlers import Relay
 from appliance.gateway.wire import upstream_pool
 from appliance.gateway.wire.http1 import UpstreamError
 from appliance.gateway.wire.splice import UpstreamConnection
 from appliance.gateway.wire.upstream_pool import UpstreamPool
+from tests.fakes.one_box import OneBox
 from tests.fakes.owners import in_process
 
 # The handler stores the caller's key record under a plain string, as the gateway's
@@ -41,77 +53,93 @@ MODEL = "m"
 WORDY_WHY = "no token came back within the health check's timeout"  # a verdict, not a timeout
 
 
-class _Admission:
-    """One engine, always free."""
+class _OneEngine(Admission):
+    """One engine, always free; an engine that gave no answer stays in routing (the retry
+    finds it as dead, and the client gets 502)."""
 
     def check_cost(self, cost: int, model: str | None = None) -> None:
         pass
 
-    async def acquire(self, cost: int, **_: object) -> int:
+    async def acquire(self, cost: int, **_: object) -> int:  # type: ignore[override]
         return 0
 
-    def release(self, engine_id: int, cost: int, *_: object) -> None:
+    def release(self, engine_id: int, cost: int, *_: object) -> None:  # type: ignore[override]
         pass
 
     def unanswered(self, engine_id: int, pid: int | None) -> None:
-        pass  # the engine stays: the retry finds it as dead, and the client gets 502
+        pass
 
 
-class FakeGateway:
-    """What the relay reads of its gateway, for one engine at ``address``."""
+class _Sessions(EngineSessions):
+    """aiohttp sessions to the in-process engine, or the test's own session."""
 
-    def __init__(self, address: EngineAddress, session: Any = None) -> None:
-        status = SimpleNamespace(api_key="engine-key", address=address, pid=None)
-        # The relay's view of the appliance (appliance.control.ApplianceView), in part.
-        self.appliance = SimpleNamespace(
-            config=Config(engine=EngineConfig(served_model_name=MODEL)),
-            engine=lambda engine_id: status,
-            started_at=0.0,
-        )
-        self.admission = _Admission()
-        self.ratelimiter = SimpleNamespace(check=lambda *_: None)
-        self.metrics = mock.MagicMock()  # counted elsewhere; not what is tested here
-        self.usage = mock.MagicMock()  # likewise (test_usage_store, test_key_usage)
+    def __init__(self, session: aiohttp.ClientSession | None) -> None:
+        super().__init__(in_process)
+        self._given = session
+
+    def session_for(self, address: EngineAddress) -> aiohttp.ClientSession:
+        return self._given if self._given is not None else super().session_for(address)
+
+
+@dataclasses.dataclass
+class OneEngine:
+    """The relay's parts for one engine at ``address``: real ones, but for admission."""
+
+    address: EngineAddress
+    session: Any = None
+
+    def __post_init__(self) -> None:
+        config = Config(engine=EngineConfig(served_model_name=MODEL))
+        status = EngineStatus(0, None, self.address, EngineState.READY, "engine-key")
+        self.box = OneBox(config, (status,))
         self.upstreams = UpstreamPool(in_process)
-        self.model_door = NoModels()  # no model loads on demand here
-        self._session = session
-        self._sessions: list[aiohttp.ClientSession] = []
+        self.sessions = _Sessions(self.session)
+        self.metrics = GatewayMetrics()
 
-    def has_other_engine(self, exclude: frozenset[int], model: str | None = None) -> bool:
-        return False  # no failover: the first failure is the client's answer
-
-    def session_for(self, address: EngineAddress) -> Any:
-        if self._session is not None:
-            return self._session
-        session = aiohttp.ClientSession(connector=address.connector(in_process(address)))
-        self._sessions.append(session)
-        return session
+    def relay(self, tmp: Path) -> Relay:
+        ratelimiter = RateLimiter()
+        ways = EngineWays(
+            lambda: self.box.config, self.sessions, self.upstreams, self.metrics.first_byte
+        )
+        return Relay(
+            self.box,
+            NoModels(),  # no model loads on demand here
+            _OneEngine(lambda: self.box.config, self.box.engines, lambda: True),
+            ratelimiter,
+            AdapterWork(),
+            FallbackRecorder(self.metrics.fallbacks),
+            UsageBook(tmp / "usage.json", self.metrics.registry, ratelimiter),
+            self.metrics,
+            ways,
+        )
 
 
 @contextlib.asynccontextmanager
-async def relay_client(gw: FakeGateway) -> AsyncIterator[tuple[TestClient[Any, Any], Relay]]:
+async def relay_client(
+    gw: OneEngine,
+) -> AsyncIterator[tuple[TestClient[Any, Any], Relay]]:
     """A client of the relay's chat route; a refusal comes back as its error response,
     as the gateway's middleware would send it."""
-    relay = Relay(cast(Any, gw))
+    with tempfile.TemporaryDirectory() as tmp:
+        relay = gw.relay(Path(tmp))
 
-    async def chat(request: web.Request) -> web.StreamResponse:
-        request["key"] = SimpleNamespace(
-            id="k", rpm=None, tpm=None, priority="interactive", max_inflight=0, models=None
-        )
-        try:
-            return await relay.chat(request)
-        except GatewayError as err:
-            return err.response()
+        async def chat(request: web.Request) -> web.StreamResponse:
+            request["key"] = SimpleNamespace(
+                id="k", rpm=None, tpm=None, priority="interactive", max_inflight=0, models=None
+            )
+            try:
+                return await relay.chat(request)
+            except GatewayError as err:
+                return err.response()
 
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", chat)
-    async with TestClient(TestServer(app)) as client:
-        try:
-            yield client, relay
-        finally:
-            gw.upstreams.close()
-            for session in gw._sessions:
-                await session.close()
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", chat)
+        async with TestClient(TestServer(app)) as client:
+            try:
+                yield client, relay
+            finally:
+                gw.upstreams.close()
+                await gw.sessions.close()
 
 
 async def ask(client: TestClient[Any, Any], *, stream: bool) -> tuple[int, dict[str, Any]]:
@@ -166,7 +194,7 @@ async def engine(answer: bytes | None) -> AsyncIterator[tuple[EngineAddress, asy
 
 @pytest.mark.parametrize("stream", [True, False], ids=["splice", "aiohttp"])
 async def test_a_refused_connection_is_502(stream: bool) -> None:
-    async with relay_client(FakeGateway(EngineAddress(port=refused_port()))) as (client, _):
+    async with relay_client(OneEngine(EngineAddress(port=refused_port()))) as (client, _):
         status, error = await ask(client, stream=stream)
     assert status == 502
     assert error["type"] == "api_error" and error["code"] == "engine_error"
@@ -175,7 +203,7 @@ async def test_a_refused_connection_is_502(stream: bool) -> None:
 
 async def test_a_connect_timeout_is_504_on_the_splice_path(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(upstream_pool, "CONNECT_TIMEOUT_S", 0.05)
-    async with relay_client(FakeGateway(SilentAddress(port=9))) as (client, _):
+    async with relay_client(OneEngine(SilentAddress(port=9))) as (client, _):
         status, error = await ask(client, stream=True)
     assert status == 504
     assert error["type"] == "timeout_error" and error["code"] == "engine_error"
@@ -186,7 +214,7 @@ async def test_a_connect_timeout_is_504_on_the_client_path() -> None:
     # What aiohttp raises when sock_connect runs out (the integration suite makes a real one).
     timeout = aiohttp.ConnectionTimeoutError("Connection timeout to host http://127.0.0.1:9")
     session = SimpleNamespace(post=mock.AsyncMock(side_effect=timeout))
-    async with relay_client(FakeGateway(EngineAddress(port=9), session)) as (client, _):
+    async with relay_client(OneEngine(EngineAddress(port=9), session)) as (client, _):
         status, error = await ask(client, stream=False)
     assert status == 504
     assert error["type"] == "timeout_error"
@@ -206,7 +234,10 @@ async def test_a_connect_timeout_is_504_on_the_client_path() -> None:
 async def test_an_engine_that_answers_badly_is_502_whatever_it_says(
     answer: bytes, reason: str
 ) -> None:
-    async with engine(answer) as (address, _), relay_client(FakeGateway(address)) as (client, _):
+    async with (
+        engine(answer) as (address, _),
+        relay_client(OneEngine(address)) as (client, _),
+    ):
         status, error = await ask(client, stream=True)
     assert status == 502, error
     assert error["message"] == f"the engine failed before answering ({reason})"
@@ -216,7 +247,7 @@ async def test_an_engine_that_answers_badly_is_502_whatever_it_says(
 async def test_an_abandoned_engine_is_502_even_when_the_why_says_timeout(stream: bool) -> None:
     async with (
         engine(None) as (address, arrived),
-        relay_client(FakeGateway(address)) as (client, relay),
+        relay_client(OneEngine(address)) as (client, relay),
     ):
         asked = asyncio.ensure_future(ask(client, stream=stream))
         await asyncio.wait_for(arrived.wait(), 5)

@@ -1,23 +1,26 @@
 """/admin/status says which dtype CPU engines run and why (null where it does not apply).
 
 From the plan (what the supervisor starts engines with) to the status document (what
-`llm-appliance status --json` prints), with a stand-in gateway: only the status and the
-queue depth are read when no engine is listed.
+`llm-appliance status --json` prints), with the status document's real parts over a box with
+no engine yet.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Any, cast
+from typing import Any
 
 import pytest
 
 from appliance import paths
 from appliance.config import parse_config
-from appliance.control import ApplianceStatus, NoModels
-from appliance.gateway.admin.routes import status_document
+from appliance.control import NoModels
+from appliance.gateway.admission.gate import Admission
+from appliance.gateway.keys import KeyStore
+from appliance.gateway.observe.probes import Readiness
+from appliance.gateway.observe.status_document import StatusDocument
 from appliance.plan import plan_engines
+from tests.fakes.one_box import OneBox
 
 
 @pytest.fixture
@@ -45,28 +48,13 @@ def status_with(
         cpu_flags=flags,
         preload=(),
     )
-    status = ApplianceStatus(
-        started_at=0.0,
-        device=plan.device,
-        cpu_dtype=plan.cpu_dtype,
-        accepting=True,
-        ready=False,
-        engines=(),
-        gpus=(),
-    )
-    gw = SimpleNamespace(
-        # What /readyz's verdict reads too (the document carries it): nothing runs yet.
-        appliance=SimpleNamespace(
-            status=lambda: status, accepting=True, starting=True, engines=tuple, config=config
-        ),
-        keys=SimpleNamespace(problem=None),
-        admission=SimpleNamespace(
-            queue_depth=0, loads=list, kv_tripped={}, throttle_level={}, top_keys=lambda n: []
-        ),
-        state_files=lambda: (),
-        model_door=NoModels(),
-    )
-    return status_document(cast(Any, gw))
+    # Nothing runs yet: the box has no engines, and /readyz's verdict (which the document
+    # carries) is read from real parts.
+    box = OneBox(config, starting=True, device=plan.device, cpu_dtype=plan.cpu_dtype)
+    admission = Admission(lambda: config, box.engines, lambda: True)
+    keys = KeyStore(home / "keys.json")
+    readiness = Readiness(box, keys, admission, NoModels(), lambda: ())
+    return StatusDocument(box, admission, keys, readiness, NoModels(), lambda: ()).build()
 
 
 @pytest.mark.parametrize(

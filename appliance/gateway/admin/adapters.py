@@ -10,7 +10,7 @@ from typing import Any
 
 from aiohttp import web
 
-from appliance.control import AdapterResult, AdapterStatus
+from appliance.control import AdapterResult
 from appliance.gateway.errors import GatewayError
 
 PATH_SHOWN = 512  # an adapter's folder in the audit trail (one line per action)
@@ -52,7 +52,3 @@ def refuse_unless(result: AdapterResult) -> None:
         # The audit records the code, never the message (_audited): it quotes the path.
         retry = 5 if result.status == 503 else None
         raise GatewayError(result.status, result.message, code=result.code, retry_after=retry)
-
-
-def adapter_json(a: AdapterStatus) -> dict[str, Any]:
-    return {"name": a.name, "model": a.model, "path": a.path, "source": a.source}

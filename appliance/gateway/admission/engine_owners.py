@@ -65,9 +65,9 @@ class EngineOwners:
         """A connection to ``address`` was not the engine's: out of routing, logged once,
         and the supervisor asked to check it now."""
         engine_id = self._engine_id(address)
-        if engine_id is None or engine_id in self._admission.unverified:
+        if engine_id is None or self._admission.unverified(engine_id):
             return  # said already; its check is under way
-        self._admission.unverified.add(engine_id)
+        self._admission.set_unverified(engine_id, True)
         log.error(
             "engine%d: a new connection to %s did not reach the engine's own processes "
             "(%s); it was closed before the request was written, the request goes to "
@@ -90,8 +90,7 @@ class EngineOwners:
         except TimeoutError:
             pass
         finally:
-            self._admission.unverified.discard(engine_id)
-            self._admission.kick()
+            self._admission.set_unverified(engine_id, False)
         if result is None:
             log.warning(
                 "engine%d: no check from the supervisor within %.0f s", engine_id, CHECK_WAIT_S

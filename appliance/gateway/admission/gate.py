@@ -111,14 +111,14 @@ class Admission:
         # Per key id: requests in flight, and tokens in flight per (key, model).
         self._key_inflight: collections.Counter[str] = collections.Counter()
         self._key_tokens: collections.Counter[tuple[str, str | None]] = collections.Counter()
-        self.throttle_level: dict[int, int] = {}  # engine id -> governor level
-        self.kv_tripped: dict[int, bool] = {}  # engine id -> breaker open
+        self._throttle_level: dict[int, int] = {}  # engine id -> governor level
+        self._kv_tripped: dict[int, bool] = {}  # engine id -> breaker open
         # TCP engines a relay connection found someone else on, until the supervisor's
-        # check (gateway/engine_owners.py).
-        self.unverified: set[int] = set()
+        # check (admission/engine_owners.py).
+        self._unverified: set[int] = set()
         # Engines an admin drained (the admin API), until resumed or restarted: a model
         # whose every engine is so is refused at once, not queued (admin.py keeps it).
-        self.drained: set[int] = set()
+        self._drained: set[int] = set()
         # Engines that gave a request no answer at all: (their pid then, until when).
         self._unanswered: dict[int, tuple[int | None, float]] = {}
         self._queue = WaitQueue()
@@ -160,15 +160,15 @@ class Admission:
         out = []
         for snap in candidates(model, self._engines()):
             e = config.engine_of(snap.model)
-            level = self.throttle_level.get(snap.id, 0)
+            level = self._throttle_level.get(snap.id, 0)
             out.append(
                 EngineLoad(
                     id=snap.id,
                     accepting=(
                         snap.state is EngineState.READY
                         and level < HARD_LEVEL
-                        and not self.kv_tripped.get(snap.id, False)
-                        and snap.id not in self.unverified
+                        and not self._kv_tripped.get(snap.id, False)
+                        and snap.id not in self._unverified
                         and (not self._unanswered or self._answers(snap))
                     ),
                     inflight=self._inflight[snap.id],
@@ -201,15 +201,53 @@ class Admission:
         asyncio.get_running_loop().call_later(UNANSWERED_S, self.kick)
 
     # ---- inputs from the supervisor -------------------------------------------------
+    def set_throttle(self, engine_id: int, level: int) -> None:
+        """The thermal governor's level for the engine's GPUs (0 = none); a change may
+        let a waiter go, or hold new work back."""
+        if self._throttle_level.get(engine_id, 0) != level:
+            self._throttle_level[engine_id] = level
+            self.kick()
+
+    def set_drained(self, engine_id: int, drained: bool) -> None:
+        """An admin drained the engine (True: a model whose every engine is so is refused
+        at once, and its waiters now), or resumed or restarted it (False: waiters may go)."""
+        if drained:
+            self._drained.add(engine_id)
+            self.refuse_failed()
+        else:
+            self._drained.discard(engine_id)
+            self.kick()
+
+    def throttle(self, engine_id: int) -> int:
+        """The engine's throttle level now (0 = none, HARD_LEVEL = admits nothing)."""
+        return self._throttle_level.get(engine_id, 0)
+
+    def kv_open(self, engine_id: int) -> bool:
+        """Whether the engine's KV-cache breaker is open (it admits nothing new)."""
+        return self._kv_tripped.get(engine_id, False)
+
+    def unverified(self, engine_id: int) -> bool:
+        """Whether a connection to the engine reached someone else's process, and the
+        supervisor's check of it is still under way (out of routing meanwhile)."""
+        return engine_id in self._unverified
+
+    def set_unverified(self, engine_id: int, unverified: bool) -> None:
+        """Out of routing until the supervisor's check (True), or back in (False)."""
+        if unverified:
+            self._unverified.add(engine_id)
+        else:
+            self._unverified.discard(engine_id)
+            self.kick()
+
     def observe_kv(self, engine_id: int, usage: float | None) -> None:
         """The KV-pressure breaker, with hysteresis so it does not flap."""
         if usage is None:
             return
-        tripped = self.kv_tripped.get(engine_id, False)
+        tripped = self._kv_tripped.get(engine_id, False)
         if not tripped and usage > KV_BREAKER_OPEN:
-            self.kv_tripped[engine_id] = True
+            self._kv_tripped[engine_id] = True
         elif tripped and usage < KV_BREAKER_CLOSE:
-            self.kv_tripped[engine_id] = False
+            self._kv_tripped[engine_id] = False
             self.kick()
 
     # ---- acquire / release ----------------------------------------------------------
@@ -329,8 +367,8 @@ class Admission:
         return model_room(
             candidates(model, self._engines()),
             self.loads(model),
-            self.throttle_level,
-            self.kv_tripped,
+            self._throttle_level,
+            self._kv_tripped,
             cost,
             self._queued_for(model),
         )
@@ -367,7 +405,7 @@ class Admission:
     def _drained_all(self, model: str | None, exclude: frozenset[int] = frozenset()) -> bool:
         """Every engine of ``model`` that could serve (but the excluded) is drained by an
         admin: none takes a request until an admin resumes one."""
-        if not self.drained:
+        if not self._drained:
             return False
         open_ = [
             s
@@ -375,11 +413,11 @@ class Admission:
             if s.state is not EngineState.FAILED and s.id not in exclude
         ]
         return bool(open_) and all(
-            s.state is EngineState.DRAINING and s.id in self.drained for s in open_
+            s.state is EngineState.DRAINING and s.id in self._drained for s in open_
         )
 
     def _drained_error(self, model: str | None) -> GatewayError:
-        ids = sorted(s.id for s in candidates(model, self._engines()) if s.id in self.drained)
+        ids = sorted(s.id for s in candidates(model, self._engines()) if s.id in self._drained)
         first = ids[0] if ids else 0
         return self._reject(
             503,
@@ -395,9 +433,9 @@ class Admission:
         """Refuse the waiters of a model whose every engine is FAILED now, or drained by
         an admin, not at their timeout (an on-demand model's would wait for a load that
         cannot come)."""
-        if self.drained:  # forget engines no longer drained (resumed, restarted, exited)
+        if self._drained:  # forget engines no longer drained (resumed, restarted, exited)
             states = {s.id: s.state for s in self._engines()}
-            self.drained = {i for i in self.drained if states.get(i) is EngineState.DRAINING}
+            self._drained = {i for i in self._drained if states.get(i) is EngineState.DRAINING}
         self._queue.fail_models(
             lambda m: self._failed(m) or self._drained_all(m),
             lambda m: self._drained_error(m) if self._drained_all(m) else self._no_engine(m),
@@ -509,7 +547,7 @@ class Admission:
         thermal limit (else []): heat is then why nothing took the request."""
         serving = (EngineState.READY, EngineState.SUSPECT)
         engines = [s.id for s in candidates(model, self._engines()) if s.state in serving]
-        if engines and all(self.throttle_level.get(i, 0) >= HARD_LEVEL for i in engines):
+        if engines and all(self._throttle_level.get(i, 0) >= HARD_LEVEL for i in engines):
             return engines
         return []
 

@@ -292,7 +292,7 @@ class _LiveCollector(Collector):
             tokens.add_metric([eid], adm.inflight_tokens(e.id))
             for reason, n in sorted(e.restarts_by_reason.items()):
                 restarts.add_metric([eid, reason], n)
-            breaker.add_metric([eid], 1.0 if adm.kv_tripped.get(e.id) else 0.0)
+            breaker.add_metric([eid], 1.0 if adm.kv_open(e.id) else 0.0)
         yield from (info, state, inflight, tokens, restarts, *_observed(status), breaker)
 
 

@@ -14,18 +14,21 @@ handlers'.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from appliance.control import ApplianceView, ModelDoor
 from appliance.engine import EngineState
+from appliance.gateway.admission.gate import Admission
 from appliance.gateway.admission.models import candidates
+from appliance.gateway.keys import KeyStore
 from appliance.policy.thermal import HARD_LEVEL
+from appliance.state_writes import WriteHealth
 
-if TYPE_CHECKING:
-    from appliance.gateway.app import Gateway
+StateFiles = Callable[[], tuple[WriteHealth, ...]]  # how each state file's writes go
 
 LOOP_STALL_S = 10.0  # a main loop that has not ticked for this long is not "alive"
 # What clients and /readyz are told while the keys file cannot be used; the journal (and
@@ -37,10 +40,14 @@ KEYS_UNUSABLE = (
 
 
 class Probes:
-    """The probe routes over one gateway."""
+    """The probe routes: the main loop's tick, the readiness verdict, the registry."""
 
-    def __init__(self, gw: Gateway) -> None:
-        self.gw = gw
+    def __init__(
+        self, appliance: ApplianceView, readiness: Readiness, registry: CollectorRegistry
+    ) -> None:
+        self._appliance = appliance
+        self._readiness = readiness
+        self._registry = registry
 
     def add_routes(self, r: web.UrlDispatcher) -> None:
         r.add_get("/healthz", self.healthz)
@@ -49,74 +56,105 @@ class Probes:
         r.add_get("/metrics", self.metrics)
 
     async def healthz(self, request: web.Request) -> web.Response:
-        appliance = self.gw.appliance
-        if time.monotonic() - appliance.last_tick > LOOP_STALL_S:
+        if time.monotonic() - self._appliance.last_tick > LOOP_STALL_S:
             return web.json_response({"status": "stalled"}, status=503)
         return web.json_response({"status": "ok"})
 
     async def readyz(self, request: web.Request) -> web.Response:
         """200 while a new request can be served, else 503 and why not
-        (:func:`readiness`, which ``/admin/status`` and ``llm-appliance status`` carry too)."""
-        code, body = readiness(self.gw)
+        (:class:`Readiness`, which ``/admin/status`` and ``llm-appliance status`` carry too)."""
+        code, body = self._readiness.verdict()
         headers = {"Retry-After": "5"} if code != 200 else None
         return web.json_response(body, status=code, headers=headers)
 
     async def metrics(self, request: web.Request) -> web.Response:
-        body = generate_latest(self.gw.metrics.registry)
+        body = generate_latest(self._registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-def readiness(gw: Gateway) -> tuple[int, dict[str, Any]]:
-    """The one verdict on whether the box can serve: (200 or 503, /readyz's body).
+class Readiness:
+    """The one verdict on whether the box can serve, from the parts that decide it."""
 
-    200 while keys can be checked and a new request can be served: some engine admits it
-    now, or (nothing admitting) every model is an on-demand one put away that its next
-    request loads; else 503 and why not. Either way the body says which models are
-    ready, down or put away. ``/admin/status`` carries the same verdict (``ready`` and
-    ``readiness``), so `llm-appliance status` never says ready where /readyz says 503,
-    nor DOWN for a model put away."""
-    accepting = gw.appliance.accepting
-    keys_problem = gw.keys.problem
-    ready = [s.id for s in gw.appliance.engines() if s.state.accepts_work]
-    loads = gw.admission.loads()
-    admitting = [load.id for load in loads if load.accepting]
-    models = models_ready(gw, set(admitting))
-    # State files failing to be written (a full disk): which, why, since when, no path
-    # (this route has no key); `doctor` reads it. Serving goes on: it is no 503.
-    writes = [f for w in gw.state_files() if (f := w.as_json()) is not None]
-    if accepting and keys_problem is None and (admitting or loadable(models)):
-        return 200, {
-            "status": "ready",
-            "engines_ready": ready,
-            "engines_admitting": admitting,
-            "models": models,
-            "state_write_failures": writes,
-        }
-    body: dict[str, Any] = {"status": "starting" if gw.appliance.starting else "stopping"}
-    if accepting:
-        body["status"] = "keys file unusable" if keys_problem is not None else "not admitting"
-        if keys_problem is not None:
-            body["keys"] = KEYS_UNUSABLE
-        body["reasons"] = {str(e): why for e, why in not_admitting(gw).items()}
-    body |= {"engines_ready": ready, "engines_admitting": admitting, "models": models}
-    body["state_write_failures"] = writes
-    return 503, body
+    def __init__(
+        self,
+        appliance: ApplianceView,
+        keys: KeyStore,
+        admission: Admission,
+        model_door: ModelDoor,
+        state_files: StateFiles,
+    ) -> None:
+        self._appliance = appliance
+        self._keys = keys
+        self._admission = admission
+        self._model_door = model_door
+        self._state_files = state_files
 
+    def verdict(self) -> tuple[int, dict[str, Any]]:
+        """The one verdict on whether the box can serve: (200 or 503, /readyz's body).
 
-def models_ready(gw: Gateway, admitting: set[int]) -> dict[str, str]:
-    """Each served model's word for /readyz (:func:`model_word`)."""
-    engines = gw.appliance.engines()
-    door = {m.name: m for m in gw.model_door.models() if m.load == "on_demand"}
-    out: dict[str, str] = {}
-    for m in gw.appliance.config.served:
-        mine = candidates(m.name, engines)
-        od = door.get(m.name)
-        out[m.name] = model_word(
-            any(e.id in admitting for e in mine),
-            [e.state for e in mine],
-            None if od is None else (od.detail or od.state),
-        )
-    return out
+        200 while keys can be checked and a new request can be served: some engine admits it
+        now, or (nothing admitting) every model is an on-demand one put away that its next
+        request loads; else 503 and why not. Either way the body says which models are
+        ready, down or put away. ``/admin/status`` carries the same verdict (``ready`` and
+        ``readiness``), so `llm-appliance status` never says ready where /readyz says 503,
+        nor DOWN for a model put away."""
+        accepting = self._appliance.accepting
+        keys_problem = self._keys.problem
+        ready = [s.id for s in self._appliance.engines() if s.state.accepts_work]
+        loads = self._admission.loads()
+        admitting = [load.id for load in loads if load.accepting]
+        models = self.models_ready(set(admitting))
+        # State files failing to be written (a full disk): which, why, since when, no path
+        # (this route has no key); `doctor` reads it. Serving goes on: it is no 503.
+        writes = [f for w in self._state_files() if (f := w.as_json()) is not None]
+        if accepting and keys_problem is None and (admitting or loadable(models)):
+            return 200, {
+                "status": "ready",
+                "engines_ready": ready,
+                "engines_admitting": admitting,
+                "models": models,
+                "state_write_failures": writes,
+            }
+        body: dict[str, Any] = {"status": "starting" if self._appliance.starting else "stopping"}
+        if accepting:
+            body["status"] = "keys file unusable" if keys_problem is not None else "not admitting"
+            if keys_problem is not None:
+                body["keys"] = KEYS_UNUSABLE
+            body["reasons"] = {str(e): why for e, why in self.not_admitting().items()}
+        body |= {"engines_ready": ready, "engines_admitting": admitting, "models": models}
+        body["state_write_failures"] = writes
+        return 503, body
+
+    def models_ready(self, admitting: set[int]) -> dict[str, str]:
+        """Each served model's word for /readyz (:func:`model_word`)."""
+        engines = self._appliance.engines()
+        door = {m.name: m for m in self._model_door.models() if m.load == "on_demand"}
+        out: dict[str, str] = {}
+        for m in self._appliance.config.served:
+            mine = candidates(m.name, engines)
+            od = door.get(m.name)
+            out[m.name] = model_word(
+                any(e.id in admitting for e in mine),
+                [e.state for e in mine],
+                None if od is None else (od.detail or od.state),
+            )
+        return out
+
+    def not_admitting(self) -> dict[int, str]:
+        """Why each engine takes no new request now, in words an operator can act on."""
+        out: dict[int, str] = {}
+        for snap in self._appliance.engines():
+            if snap.state is not EngineState.READY:
+                out[snap.id] = {
+                    "STARTING": "starting (loading the model)",
+                    "SUSPECT": "failed its last health check",
+                    "DRAINING": "draining",
+                }.get(snap.state.value, snap.state.value.lower())
+            elif self._admission.kv_open(snap.id):
+                out[snap.id] = "KV cache breaker open (KV cache nearly full)"
+            elif self._admission.throttle(snap.id) >= HARD_LEVEL:
+                out[snap.id] = "throttled by heat (GPU at the hard limit)"
+        return out
 
 
 PUT_AWAY = frozenset({"unloaded", "sleeping", "loading", "unloading"})
@@ -142,20 +180,3 @@ def loadable(models: Mapping[str, str]) -> bool:
     a request loads the one it names. A box of on-demand models only, none loaded yet,
     is ready; one whose always model is down is not, whatever else is put away."""
     return bool(models) and all(word in PUT_AWAY for word in models.values())
-
-
-def not_admitting(gw: Gateway) -> dict[int, str]:
-    """Why each engine takes no new request now, in words an operator can act on."""
-    out: dict[int, str] = {}
-    for snap in gw.appliance.engines():
-        if snap.state is not EngineState.READY:
-            out[snap.id] = {
-                "STARTING": "starting (loading the model)",
-                "SUSPECT": "failed its last health check",
-                "DRAINING": "draining",
-            }.get(snap.state.value, snap.state.value.lower())
-        elif gw.admission.kv_tripped.get(snap.id, False):
-            out[snap.id] = "KV cache breaker open (KV cache nearly full)"
-        elif gw.admission.throttle_level.get(snap.id, 0) >= HARD_LEVEL:
-            out[snap.id] = "throttled by heat (GPU at the hard limit)"
-    return out

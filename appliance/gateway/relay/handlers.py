@@ -42,14 +42,25 @@ import collections
 import dataclasses
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aiohttp import web
 from aiohttp.http import HttpVersion11
 
+from appliance.control import ApplianceView, ModelDoor
+from appliance.engine import EngineState
+from appliance.gateway.accounting.book import UsageBook
 from appliance.gateway.accounting.plan import stepping_of
-from appliance.gateway.admission.fallback import REFUSE_HEADER, SERVED_BY, fallback_allowed
+from appliance.gateway.admission.adapter_work import AdapterWork
+from appliance.gateway.admission.fallback import (
+    REFUSE_HEADER,
+    SERVED_BY,
+    FallbackRecorder,
+    fallback_allowed,
+)
+from appliance.gateway.admission.gate import Admission
 from appliance.gateway.admission.models import (
+    candidates,
     check_key_allows,
     key_allows,
     model_cards,
@@ -57,10 +68,14 @@ from appliance.gateway.admission.models import (
     visible_models,
 )
 from appliance.gateway.admission.open_requests import KEY_REVOKED, OpenRequests, revoked
+from appliance.gateway.admission.ratelimit import RateLimiter
 from appliance.gateway.errors import GatewayError
+from appliance.gateway.keys import KeyRecord
+from appliance.gateway.observe.metrics import GatewayMetrics
 from appliance.gateway.protocols import ROUTES, Route
 from appliance.gateway.protocols.refusals import model_refusal
 from appliance.gateway.relay.answers import EngineCall
+from appliance.gateway.relay.engine_ways import EngineWays
 from appliance.gateway.relay.failures import Attempt, EngineFailure, engine_error
 from appliance.gateway.relay.pinned import PinnedRelay
 from appliance.gateway.relay.request_body import (
@@ -76,20 +91,36 @@ from appliance.gateway.relay.via_client import relay_via_client
 from appliance.gateway.relay.via_splice import relay_via_splice
 from appliance.policy.fallback import choose_fallback
 
-if TYPE_CHECKING:
-    from appliance.gateway.app import Gateway
-
 log = logging.getLogger("appliance.gateway")
 LOAD_WAIT = "appliance_load_wait_s"  # request key: its on-demand model's load_timeout_s
 
 
 class Relay:
-    """The /v1 handlers, bound to one Gateway."""
+    """The /v1 handlers, over the parts they use."""
 
-    def __init__(self, gateway: Gateway) -> None:
-        self.gw = gateway
+    def __init__(
+        self,
+        appliance: ApplianceView,
+        model_door: ModelDoor,
+        admission: Admission,
+        ratelimiter: RateLimiter,
+        adapter_work: AdapterWork,
+        fallbacks: FallbackRecorder,
+        usage: UsageBook,
+        metrics: GatewayMetrics,
+        ways: EngineWays,
+    ) -> None:
+        self._appliance = appliance
+        self._model_door = model_door
+        self._admission = admission
+        self._ratelimiter = ratelimiter
+        self._adapter_work = adapter_work
+        self._fallbacks = fallbacks
+        self._usage = usage
+        self._metrics = metrics
+        self._ways = ways  # the two ways to an engine: via_client, via_splice
         self._attempts: collections.defaultdict[int, set[Attempt]] = collections.defaultdict(set)
-        self.pinned = PinnedRelay(gateway, self._relay, self._check_rate)
+        self.pinned = PinnedRelay(appliance, admission, metrics, self._relay, self._check_rate)
         self.open = OpenRequests()  # per key: ended when the key is revoked
 
     def abandon(self, engine_id: int, why: str) -> int:
@@ -112,8 +143,8 @@ class Relay:
         return len(attempts)
 
     async def models(self, request: web.Request) -> web.Response:
-        created = int(self.gw.appliance.started_at)
-        config, adapters = self.gw.appliance.config, self.gw.model_door.adapter_names()
+        created = int(self._appliance.started_at)
+        config, adapters = self._appliance.config, self._model_door.adapter_names()
         # A key limited to models sees only those (and their aliases and adapters).
         served, adapters = visible_models(config, adapters, request["key"].models)
         return web.json_response({"object": "list", "data": model_cards(served, adapters, created)})
@@ -149,9 +180,10 @@ class Relay:
         finally:
             self.open.remove(entry)
 
-    def keys_changed(self) -> None:
-        """The keys in force changed: end the open requests of keys no longer valid."""
-        ended = self.open.end_invalid(self.gw.keys.records)
+    def keys_changed(self, records: tuple[KeyRecord, ...]) -> None:
+        """The keys in force changed (now ``records``): end the open requests of keys no
+        longer valid."""
+        ended = self.open.end_invalid(records)
         if ended:
             log.warning("ended %d open request(s) of revoked or expired keys", ended)
 
@@ -160,7 +192,7 @@ class Relay:
         record = request["key"]
         parsed, fallback = await self._parse(request, route)
         # before tpm: never charge what cannot run
-        self.gw.admission.check_cost(parsed.cost, parsed.model)
+        self._admission.check_cost(parsed.cost, parsed.model)
         pinned = self.pinned.engine_for(parsed, record.id)
         self._check_rate(record, parsed.cost)
         # Only a request that passed every check may make an on-demand model load: a
@@ -180,36 +212,34 @@ class Relay:
         to its load_timeout_s while the model is not serving, loaded or not when the
         request came: it may be put away for another model of its slot while the request
         waits (Admission.acquire). A load this request starts is counted to its key."""
-        door = self.gw.model_door
+        door = self._model_door
         loaded = door.use_model(model)
-        served = self.gw.appliance.config.model(model)
+        served = self._appliance.config.model(model)
         if served is None or not served.on_demand:
             return
         request[LOAD_WAIT] = {model: served.load_timeout_s}  # loaded now or not (above)
-        if loaded or self.gw.admission.queued_since(model) is not None:
+        if loaded or self._admission.queued_since(model) is not None:
             return  # somebody already waits for it: theirs is the load
         state = next((m.state for m in door.models() if m.name == model), "")
         if state in ("unloaded", "sleeping"):
             how = "wake" if state == "sleeping" else "cold"
             key_id = request["key"].id
-            self.gw.metrics.key_model_loads.labels(key_id, model, how).inc()
+            self._metrics.key_model_loads.labels(key_id, model, how).inc()
             log.info("model %s: a %s load asked for by key %s", model, how, key_id)
 
     async def _parse(self, request: web.Request, route: str) -> tuple[ParsedRequest, str]:
         """The checked request, costed on the engines of the model it names (404 for no
         such model, 400 for a route the model does not serve), and that model's fallback
         ("": none)."""
-        opened, config = open_body(route, await read_body(request)), self.gw.appliance.config
-        served, sent = resolve_named(
-            config, opened.model, route, self.gw.model_door.adapter_names()
-        )
+        opened, config = open_body(route, await read_body(request)), self._appliance.config
+        served, sent = resolve_named(config, opened.model, route, self._model_door.adapter_names())
         name = served.name  # whose engines serve it (an adapter's: its base model's)
         # A key limited to models: refused here, before anything else is done for the
         # request, so a refused one never makes an on-demand model load (_use_model).
         allowed = request["key"].models
         check_key_allows(config, allowed, served, sent, opened.model)
         if sent != name:  # an adapter: its removal waits for this request (adapter_work)
-            self.gw.adapter_work.begin(request, sent)
+            self._adapter_work.begin(request, sent)
         request["model"] = sent  # the metrics' label: a configured name, never the client's
         refused = model_refusal(ROUTES[route], opened.fields, served, bool(config.models))
         if refused is not None:
@@ -243,7 +273,7 @@ class Relay:
         costed on its context; None when its engines could never take it. Parsed afresh
         from the client's bytes (aiohttp keeps them), so nothing of the first model's
         parse (its max_tokens cap, its usage plan) carries over."""
-        config = self.gw.appliance.config
+        config = self._appliance.config
         opened = open_body(route, await read_body(request))
         target = config.model(model)
         if target is None or model_refusal(
@@ -260,7 +290,7 @@ class Relay:
             stepping=stepping_of(target),
             priority=engine_priority(target.engine.scheduling, request["key"].priority),
         )
-        return parsed if self.gw.admission.fits(parsed.cost, model) else None
+        return parsed if self._admission.fits(parsed.cost, model) else None
 
     async def _admit_or_fall_back(
         self, request: web.Request, parsed: ParsedRequest, fallback: str
@@ -269,16 +299,15 @@ class Relay:
         fallback model's, with the request as that model is sent it, when policy says so
         (:func:`appliance.policy.fallback.choose_fallback`); None: queue for the model
         named as usual. One hop: the fallback's own fallback is never looked at."""
-        gw = self.gw
-        adm = gw.admission
+        adm = self._admission
         record = request["key"]
         own = adm.try_acquire(
             parsed.cost, parsed.session, parsed.model, record.id, record.max_inflight
         )
         if own is not None:
-            gw.fallbacks.served_own(parsed.model)
+            self._fallbacks.served_own(parsed.model)
             return own, parsed
-        target = gw.appliance.config.model(fallback)  # config checked: it exists
+        target = self._appliance.config.model(fallback)  # config checked: it exists
         if target is None:
             return None
         other = await self._parse_for(request, parsed.route, target.name)
@@ -294,21 +323,27 @@ class Relay:
         )
         if engine_id is None:
             return None
-        gw.fallbacks.fell_back(parsed.model, target.name, reason)
+        self._fallbacks.fell_back(parsed.model, target.name, reason)
         request["model"] = target.name  # the model that served it, in the metrics
         request[SERVED_BY] = target.name  # X-Appliance-Model on the answer (app.py)
         # Settled against what the key was charged (_handle), not the fallback's cost.
         return engine_id, dataclasses.replace(other, charged=parsed.tpm_charge)
 
+    def _has_other_engine(self, exclude: frozenset[int], model: str) -> bool:
+        """A READY engine of ``model`` beyond ``exclude``, to retry on."""
+        return any(
+            e.state is EngineState.READY and e.id not in exclude
+            for e in candidates(model, self._appliance.engines())
+        )
+
     def _check_rate(self, record: Any, cost: int) -> None:
         """429 when the caller's key is past its rpm or tpm."""
-        gw = self.gw
-        limited = gw.ratelimiter.check(record.id, record.rpm, record.tpm, cost)
+        limited = self._ratelimiter.check(record.id, record.rpm, record.tpm, cost)
         if limited is None:
             return
         which, wait = limited
-        gw.metrics.rate_limited.labels(record.id, which).inc()
-        gw.metrics.rejections.labels(f"rate_limit_{which}").inc()
+        self._metrics.rate_limited.labels(record.id, which).inc()
+        self._metrics.rejections.labels(f"rate_limit_{which}").inc()
         raise GatewayError(
             429,
             f"rate limit reached for this key ({which}); retry in {wait:.1f} s",
@@ -330,7 +365,6 @@ class Relay:
         its first byte is retried once on another of the model's, if there is another.
         With a ``fallback`` (allowed for this request) the first engine may be the
         fallback model's, and the retry stays among that model's engines."""
-        gw = self.gw
         tried: frozenset[int] = frozenset()
         waited_back = False  # waited once for an engine that gave no answer at all
         attempt = 0
@@ -342,13 +376,13 @@ class Relay:
             try:
                 result = await self._relay(request, engine_id, path, parsed, started)
             finally:
-                gw.admission.release(engine_id, parsed.cost, request["key"].id, parsed.model)
+                self._admission.release(engine_id, parsed.cost, request["key"].id, parsed.model)
             if isinstance(result, web.StreamResponse):
                 return result
             # Failed before the first byte: try once more elsewhere.
-            if attempt == 1 and gw.has_other_engine(tried | {engine_id}, parsed.model):
+            if attempt == 1 and self._has_other_engine(tried | {engine_id}, parsed.model):
                 tried = tried | {engine_id}
-                gw.metrics.failovers.inc()
+                self._metrics.failovers.inc()
                 log.warning(
                     "engine%d failed before answering (%s); retrying on another engine",
                     engine_id,
@@ -360,7 +394,7 @@ class Relay:
                 # moment before the supervisor noticed. Wait in the queue for it to be
                 # back (its restart), as a request that came a moment later would.
                 waited_back = True
-                gw.admission.unanswered(engine_id, gw.appliance.engine(engine_id).pid)
+                self._admission.unanswered(engine_id, self._appliance.engine(engine_id).pid)
                 log.warning(
                     "engine%d gave no answer (%s); the request waits for it to be back",
                     engine_id,
@@ -384,7 +418,7 @@ class Relay:
         if first is not None:
             engine_id, parsed = first
         else:
-            engine_id = await self.gw.admission.acquire(
+            engine_id = await self._admission.acquire(
                 parsed.cost,
                 batch=batch,
                 session=parsed.session,
@@ -394,7 +428,7 @@ class Relay:
                 key=request["key"].id,
                 key_cap=request["key"].max_inflight,
             )
-        self.gw.metrics.queue_wait.observe(time.monotonic() - queued)
+        self._metrics.queue_wait.observe(time.monotonic() - queued)
         return engine_id, parsed
 
     async def _relay(
@@ -409,7 +443,7 @@ class Relay:
         """The response sent, or why the engine failed before its first byte."""
         if KEY_REVOKED in request:
             raise revoked()  # its slot came as its key was revoked (open_requests.py)
-        snap = self.gw.appliance.engine(engine_id)
+        snap = self._appliance.engine(engine_id)
         headers = {"Authorization": f"Bearer {snap.api_key}", "Content-Type": "application/json"}
         if parsed.priority_header is not None:  # Messages: vLLM reads it from a header
             headers[PRIORITY_HEADER] = str(parsed.priority_header)
@@ -421,13 +455,13 @@ class Relay:
         call = EngineCall(request, parsed, attempt, snap.address, path, headers, started, method)
         try:
             if parsed.stream and request.version >= HttpVersion11 and method == "POST":
-                result = await relay_via_splice(self.gw, call)
+                result = await relay_via_splice(self._ways, call)
             else:
-                result = await relay_via_client(self.gw, call)
+                result = await relay_via_client(self._ways, call)
             call.meter.failed = isinstance(result, EngineFailure)
             return result
         finally:
             attempts.discard(attempt)
             # The one place a try's tokens are counted, however it ended: an answer, a
             # break, a client gone (cancelled), an abandoned engine (usage_events.charged).
-            self.gw.usage.finish(call)
+            self._usage.finish(call)

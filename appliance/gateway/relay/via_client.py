@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import TYPE_CHECKING
 
 import aiohttp
 from aiohttp import web
@@ -33,6 +32,7 @@ from appliance.gateway.relay.answers import (
     stream_response,
     whole_answer,
 )
+from appliance.gateway.relay.engine_ways import EngineWays
 from appliance.gateway.relay.failures import RETRYABLE_STATUS, EngineFailure, failure_if_abandoned
 from appliance.gateway.wire.http1 import MAX_CHUNK_BYTES, AnswerTooLarge
 
@@ -40,9 +40,6 @@ log = logging.getLogger("appliance.gateway")
 # A write to a transport holding more than this may wait for the client (aiohttp drains
 # above asyncio's high-water mark, 64 KiB): such a write is timed by stall_timeout_s.
 TIMED_WRITE_BYTES = 16 * 1024
-
-if TYPE_CHECKING:
-    from appliance.gateway.app import Gateway
 
 
 class EventTooLarge(aiohttp.ClientPayloadError):
@@ -65,9 +62,11 @@ async def read_limited(upstream: aiohttp.ClientResponse, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-async def relay_via_client(gw: Gateway, call: EngineCall) -> web.StreamResponse | EngineFailure:
+async def relay_via_client(
+    ways: EngineWays, call: EngineCall
+) -> web.StreamResponse | EngineFailure:
     """A non-streamed request (or an HTTP/1.0 client's stream), through aiohttp."""
-    upstream = await _post(gw, call)
+    upstream = await _post(ways, call)
     if isinstance(upstream, EngineFailure):
         return upstream
     call.attempt.close = upstream.close
@@ -76,8 +75,8 @@ async def relay_via_client(gw: Gateway, call: EngineCall) -> web.StreamResponse 
         if upstream.status in RETRYABLE_STATUS:
             return EngineFailure.engine_answered(upstream.status)
         if not call.parsed.stream or upstream.status != 200:
-            return await _answer_whole(gw, call, upstream)
-        return await _stream(gw, call, upstream)
+            return await _answer_whole(ways, call, upstream)
+        return await _stream(ways, call, upstream)
     except (TimeoutError, aiohttp.ClientError) as exc:
         return call.attempt.given_up or EngineFailure.of_client_error(exc)
     finally:
@@ -87,10 +86,10 @@ async def relay_via_client(gw: Gateway, call: EngineCall) -> web.StreamResponse 
             upstream.close()  # closing mid-answer is what makes vLLM abort it
 
 
-async def _post(gw: Gateway, call: EngineCall) -> aiohttp.ClientResponse | EngineFailure:
+async def _post(ways: EngineWays, call: EngineCall) -> aiohttp.ClientResponse | EngineFailure:
     """The engine's response head, or why there is none (abandon() included)."""
     address = call.address
-    session = gw.session_for(address)
+    session = ways.sessions.session_for(address)
     send = session.post if call.method == "POST" else session.get  # GET: a retrieve
     try:
         return await send(
@@ -110,28 +109,28 @@ async def _post(gw: Gateway, call: EngineCall) -> aiohttp.ClientResponse | Engin
 
 
 async def _answer_whole(
-    gw: Gateway, call: EngineCall, upstream: aiohttp.ClientResponse
+    ways: EngineWays, call: EngineCall, upstream: aiohttp.ClientResponse
 ) -> web.Response:
     body = await read_whole(
-        gw.appliance.config.gateway.max_answer_bytes,
+        ways.config().gateway.max_answer_bytes,
         lambda limit: read_limited(upstream, limit),
     )
     resp = whole_answer(call, upstream.status, body, upstream.content_type or "application/json")
-    gw.metrics.first_byte(call.parsed.route, call.parsed.model, call.started)
+    ways.first_byte(call.parsed.route, call.parsed.model, call.started)
     call.meter.answer = answer_usage(call, body)  # counted by the relay, however it ends
     return resp
 
 
 async def _stream(
-    gw: Gateway, call: EngineCall, upstream: aiohttp.ClientResponse
+    ways: EngineWays, call: EngineCall, upstream: aiohttp.ClientResponse
 ) -> web.StreamResponse:
     # The relay counts the stream from its tap, however it ends (usage_events.charged).
     call.meter.tap = tap = StreamTap.for_plan(call.parsed.usage)
-    return await _stream_events(gw, call, upstream, tap)
+    return await _stream_events(ways, call, upstream, tap)
 
 
 async def _stream_events(
-    gw: Gateway, call: EngineCall, upstream: aiohttp.ClientResponse, tap: StreamTap
+    ways: EngineWays, call: EngineCall, upstream: aiohttp.ClientResponse, tap: StreamTap
 ) -> web.StreamResponse:
     """The engine's events, each written on as it came (whole events: ``tap`` may take
     the usage event out); raises before the first one (the caller retries), ends with
@@ -161,10 +160,10 @@ async def _stream_events(
                 # be retried elsewhere without the client knowing.
                 request[STREAM_STARTED] = True  # from here only the stream reaches it
                 await resp.prepare(request)
-                gw.metrics.first_byte(call.parsed.route, call.parsed.model, call.started)
+                ways.first_byte(call.parsed.route, call.parsed.model, call.started)
                 first = False
             try:
-                await _write(gw, call, resp, chunk)
+                await _write(ways, call, resp, chunk)
             except (ConnectionError, TimeoutError):
                 # The client went away, or read nothing for stall_timeout_s: not an
                 # engine failure, nothing to retry. Returning closes the upstream
@@ -183,14 +182,16 @@ async def _stream_events(
     return resp
 
 
-async def _write(gw: Gateway, call: EngineCall, resp: web.StreamResponse, chunk: bytes) -> None:
+async def _write(
+    ways: EngineWays, call: EngineCall, resp: web.StreamResponse, chunk: bytes
+) -> None:
     """One chunk to the client; TimeoutError (and the client's connection aborted) when
     the write waited ``stall_timeout_s`` for a client that read nothing."""
     transport = call.client.transport
     if transport is None or transport.get_write_buffer_size() + len(chunk) <= TIMED_WRITE_BYTES:
         await resp.write(chunk)  # cannot wait for the client: untimed
         return
-    stall_s = gw.appliance.config.gateway.stall_timeout_s
+    stall_s = ways.config().gateway.stall_timeout_s
     try:
         await asyncio.wait_for(resp.write(chunk), stall_s)
     except TimeoutError:

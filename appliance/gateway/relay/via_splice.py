@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import TYPE_CHECKING
 
 from aiohttp import web
 
@@ -25,6 +24,7 @@ from appliance.gateway.relay.answers import (
     stream_response,
     whole_answer,
 )
+from appliance.gateway.relay.engine_ways import EngineWays
 from appliance.gateway.relay.failures import RETRYABLE_STATUS, EngineFailure, failure_if_abandoned
 from appliance.gateway.wire.http1 import Head, UpstreamError, request_bytes
 from appliance.gateway.wire.splice import ClientStalled, UpstreamConnection
@@ -36,22 +36,21 @@ from appliance.gateway.wire.stream_writes import (
 )
 from appliance.gateway.wire.upstream_pool import UpstreamPool
 
-if TYPE_CHECKING:
-    from appliance.gateway.app import Gateway
-
 log = logging.getLogger("appliance.gateway")
 
 
-async def relay_via_splice(gw: Gateway, call: EngineCall) -> web.StreamResponse | EngineFailure:
+async def relay_via_splice(
+    ways: EngineWays, call: EngineCall
+) -> web.StreamResponse | EngineFailure:
     """The response sent, or why the engine failed before its first chunk."""
-    pool = gw.upstreams
+    pool = ways.upstreams
     conn = await _connect(pool, call)
     if isinstance(conn, EngineFailure):
         return conn
     attempt = call.attempt
     attempt.close = lambda: conn.abort(attempt.why)
     try:
-        head = await _until_first_chunk(gw, call, conn)
+        head = await _until_first_chunk(ways, call, conn)
         if not isinstance(head, Head):
             return head  # a whole answer, or a failure to retry elsewhere
         call.client[STREAM_STARTED] = True  # from here only the stream reaches the client
@@ -59,7 +58,7 @@ async def relay_via_splice(gw: Gateway, call: EngineCall) -> web.StreamResponse 
             head.headers.get("content-type", "text/event-stream"), HeldHeadResponse
         )
         resp.enable_chunked_encoding()
-        ended = await _splice_stream(gw, call, conn, resp)
+        ended = await _splice_stream(ways, call, conn, resp)
     finally:
         pool.release(call.address, conn)
     if ended:
@@ -84,7 +83,7 @@ async def _connect(pool: UpstreamPool, call: EngineCall) -> UpstreamConnection |
 
 
 async def _until_first_chunk(
-    gw: Gateway, call: EngineCall, conn: UpstreamConnection
+    ways: EngineWays, call: EngineCall, conn: UpstreamConnection
 ) -> Head | web.Response | EngineFailure:
     """Send the request; the head once a stream's first chunk is here, the whole answer
     when it is not a stream, or why the engine failed (nothing reached the client)."""
@@ -96,8 +95,8 @@ async def _until_first_chunk(
         if head.status in RETRYABLE_STATUS:
             return EngineFailure.engine_answered(head.status)
         if head.status != 200 or not head.chunked:
-            body = await read_whole(gw.appliance.config.gateway.max_answer_bytes, conn.read_body)
-            gw.metrics.first_byte(call.parsed.route, call.parsed.model, call.started)
+            body = await read_whole(ways.config().gateway.max_answer_bytes, conn.read_body)
+            ways.first_byte(call.parsed.route, call.parsed.model, call.started)
             call.meter.answer = answer_usage(call, body)
             content_type = head.headers.get("content-type", "application/json").split(";")[0]
             return whole_answer(call, head.status, body, content_type)
@@ -115,21 +114,21 @@ async def _until_first_chunk(
 
 
 async def _splice_stream(
-    gw: Gateway, call: EngineCall, conn: UpstreamConnection, resp: web.StreamResponse
+    ways: EngineWays, call: EngineCall, conn: UpstreamConnection, resp: web.StreamResponse
 ) -> bool:
     """Send the head, then splice the engine's chunks to the client until the body ends;
     whether the client's stream is still to be ended (not when the client went away)."""
     request = call.client
     try:
         await resp.prepare(request)
-        gw.metrics.first_byte(call.parsed.route, call.parsed.model, call.started)
+        ways.first_byte(call.parsed.route, call.parsed.model, call.started)
         transport = request.transport
         if transport is None:
             raise UpstreamError("the client disconnected")
         # The head goes with the first chunk and the end with the last (stream_writes.py);
         # a closing client transport aborts the splice at once.
         conn.splice_to(transport, take_head(resp), CHUNKED_END)
-        await conn.wait_spliced(gw.appliance.config.gateway.stall_timeout_s)
+        await conn.wait_spliced(ways.config().gateway.stall_timeout_s)
     except UpstreamError as exc:
         if isinstance(exc, ClientStalled):
             log.warning(

@@ -18,16 +18,19 @@ from __future__ import annotations
 
 import time
 from importlib import resources
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any
 
 from aiohttp import web
 
-from appliance.gateway.admin.routes import status_document
+from appliance.control import ApplianceView
+from appliance.gateway.accounting.book import UsageBook
+from appliance.gateway.admission.gate import Admission
+from appliance.gateway.keys import KeyStore
+from appliance.gateway.observe.metrics import GatewayMetrics
+from appliance.gateway.observe.status_document import StatusDocument
 from appliance.gateway.observe.ui.history import Figures, History
 from appliance.gateway.observe.ui.sampler import Sampler
-
-if TYPE_CHECKING:
-    from appliance.gateway.app import Gateway
 
 CSP = (
     "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
@@ -59,30 +62,45 @@ def _totals(family_samples: Any, suffix: str) -> float:
     return float(sum(s.value for s in family_samples if s.name.endswith(suffix)))
 
 
-def gateway_figures(gw: Gateway) -> Figures:
+def gateway_figures(admission: Admission, metrics: GatewayMetrics, usage: UsageBook) -> Figures:
     """The running totals a sample's rates come from (a few dict walks every 2 s)."""
-    interactive, batch = gw.admission.queued
-    rejections = [s for fam in gw.metrics.rejections.collect() for s in fam.samples]
-    ttft = [s for fam in gw.metrics.ttft.collect() for s in fam.samples]
+    interactive, batch = admission.queued
+    rejections = [s for fam in metrics.rejections.collect() for s in fam.samples]
+    ttft = [s for fam in metrics.ttft.collect() for s in fam.samples]
     return Figures(
         queued_interactive=interactive,
         queued_batch=batch,
         rejections=_totals(rejections, "_total"),
         ttft_sum_s=_totals(ttft, "_sum"),
         ttft_count=_totals(ttft, "_count"),
-        completion_tokens=sum(v[1] for v in gw.usage.counts.totals.values()),
+        completion_tokens=sum(v[1] for v in usage.counts.totals.values()),
     )
 
 
 class StatusPage:
-    """The page's files, its history and the task that feeds it, for one gateway."""
+    """The page's files, its history and the task that feeds it."""
 
-    def __init__(self, gw: Gateway) -> None:
-        self.gw = gw
+    def __init__(
+        self,
+        appliance: ApplianceView,
+        status: StatusDocument,
+        admission: Admission,
+        metrics: GatewayMetrics,
+        keys: KeyStore,
+        usage: UsageBook,
+        audit_path: Path | None,
+    ) -> None:
+        self._appliance = appliance
+        self._status = status
+        self._keys = keys
+        self._usage_book = usage
         self.files = _read_static()
         self.history = History()
         self.sampler = Sampler(
-            self.history, gw.appliance.status, lambda: gateway_figures(gw), gw.audit.path
+            self.history,
+            appliance.status,
+            lambda: gateway_figures(admission, metrics, usage),
+            audit_path,
         )
 
     def install(self, app: web.Application) -> None:
@@ -121,13 +139,12 @@ class StatusPage:
     async def history_json(self, request: web.Request) -> web.Response:
         """What the page draws: the status now, the history after ``?after=SEQ``, and for
         an admin key the usage per key over 24 h. The middleware checked the scope."""
-        gw = self.gw
         try:
             after = max(0, int(request.query.get("after", "0")))
         except ValueError:
             after = 0
         samples, events = self.history.after(after)
-        th = gw.appliance.config.thermal
+        th = self._appliance.config.thermal
         admin = request["key"].allows("admin")
         doc: dict[str, Any] = {
             "now": round(time.time(), 3),
@@ -135,7 +152,7 @@ class StatusPage:
             "seq": self.history.seq,
             "interval_s": self.history.interval_s,
             "limits": {"soft_c": th.soft_limit_c, "hard_c": th.hard_limit_c},
-            "status": status_document(gw),
+            "status": self._status.build(),
             "samples": samples,
             "events": events,
             "usage": self._usage() if admin else None,
@@ -143,8 +160,8 @@ class StatusPage:
         return web.json_response(doc, headers=PAGE_HEADERS)
 
     def _usage(self) -> list[dict[str, Any]]:
-        names = {r.id: r.name for r in self.gw.keys.records}
-        used = self.gw.usage.counts.since(time.time() - USAGE_WINDOW_S)
+        names = {r.id: r.name for r in self._keys.records}
+        used = self._usage_book.counts.since(time.time() - USAGE_WINDOW_S)
         rows = sorted(used.items(), key=lambda kv: -(kv[1][0] + kv[1][1]))[:USAGE_ROWS]
         return [
             {"id": k, "name": names.get(k), "prompt_tokens": p, "completion_tokens": c}
