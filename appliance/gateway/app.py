@@ -33,9 +33,8 @@ from appliance.gateway.admission.engine_owners import EngineOwners
 from appliance.gateway.admission.fallback import FallbackRecorder, add_model_header
 from appliance.gateway.admission.gate import Admission
 from appliance.gateway.admission.ratelimit import RateLimiter
-from appliance.gateway.http.fd_room import ensure_fd_room
 from appliance.gateway.http.middleware import GatewayMiddleware
-from appliance.gateway.http.server import ConnectionLimits, GatewayRunner
+from appliance.gateway.http.server import ConnectionLimits, GatewayRunner, ensure_fd_room
 from appliance.gateway.keys import (
     KeysFileError,
     KeyStore,

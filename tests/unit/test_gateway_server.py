@@ -23,10 +23,14 @@ import pytest
 from aiohttp import web
 
 from appliance.gateway.errors import GatewayError
-from appliance.gateway.http import fd_room, server
-from appliance.gateway.http.fd_room import ensure_fd_room
+from appliance.gateway.http import server
 from appliance.gateway.http.protocol_errors import ThrottledLog
-from appliance.gateway.http.server import BodyTimeout, ConnectionLimits, GatewayRunner
+from appliance.gateway.http.server import (
+    BodyTimeout,
+    ConnectionLimits,
+    GatewayRunner,
+    ensure_fd_room,
+)
 
 FAKE_KEY = b"sk-la-FAKEKEYDONOTLOG0123456789abcdef"
 # serve runs on uvloop where it is installed, whose transports differ from asyncio's
@@ -429,7 +433,7 @@ def test_fd_limit_is_raised_to_fit_max_connections(monkeypatch: pytest.MonkeyPat
 
     monkeypatch.setattr(resource, "setrlimit", setrlimit)
     assert ensure_fd_room(1024) is None
-    assert limits["now"] == (1024 + server.MAX_LINGERING + fd_room.FD_HEADROOM, 4096)
+    assert limits["now"] == (1024 + server.MAX_LINGERING + server.FD_HEADROOM, 4096)
     warning = ensure_fd_room(10000)
     assert warning is not None and "gateway.max_connections = 10000" in warning
     assert limits["now"] == (4096, 4096)  # as far as the hard limit allows

@@ -33,18 +33,16 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter
 
 from appliance.fsutil import SAFE_OPEN, FileWriteError, atomic_write
 from appliance.gateway.accounting.counts import is_count
-from appliance.gateway.accounting.stream_tap import charged
-from appliance.gateway.admission.ratelimit import RateLimiter
+from appliance.gateway.accounting.plan import UsagePlan
+from appliance.gateway.accounting.stream_tap import Metering, charged
 from appliance.state_writes import WriteHealth, iso
-
-if TYPE_CHECKING:
-    from appliance.gateway.relay.answers import EngineCall
 
 log = logging.getLogger("appliance.gateway")
 
@@ -172,10 +170,41 @@ def read_usage(path: Path) -> UsageCounts | None:
     return UsageCounts.from_json(raw)
 
 
+class PlannedRequest(Protocol):
+    """What the book reads of a request as the relay parsed it (relay/request_body.py)."""
+
+    @property
+    def usage(self) -> UsagePlan | None: ...
+    @property
+    def tpm_charge(self) -> int: ...
+
+
+class FinishedTry(Protocol):
+    """What the book reads of one try on one engine (relay/answers.py's EngineCall):
+    stated here so accounting does not import the relay."""
+
+    @property
+    def client(self) -> web.Request: ...
+    @property
+    def meter(self) -> Metering: ...
+    @property
+    def parsed(self) -> PlannedRequest: ...
+
+
+class Settle(Protocol):
+    """The rate limiter's side of a request's end (admission/ratelimit.py): the tokens
+    used replace the estimate charged at admission. Stated here so accounting does not
+    import admission."""
+
+    def settle(
+        self, key_id: str, tpm: int | None, estimate: int, used: int, now: float | None = None
+    ) -> None: ...
+
+
 class UsageBook:
     """The daemon's running count: the metric, the file, and its periodic save."""
 
-    def __init__(self, path: Path, registry: CollectorRegistry, ratelimiter: RateLimiter) -> None:
+    def __init__(self, path: Path, registry: CollectorRegistry, ratelimiter: Settle) -> None:
         self.path = path
         self.ratelimiter = ratelimiter
         self.counts = UsageCounts()
@@ -269,9 +298,9 @@ class UsageBook:
             self.writes.succeeded()
 
     # ---- the end of a request ----------------------------------------------------------
-    def finish(self, call: EngineCall) -> None:
-        """One try on one engine ended, however it ended (proxy.py calls this from the
-        try's one ``finally``): count what it used for its key (:func:`charged`: the
+    def finish(self, call: FinishedTry) -> None:
+        """One try on one engine ended, however it ended (relay/handlers.py calls this from
+        the try's one ``finally``): count what it used for its key (:func:`charged`: the
         engine's own count, or a bound never below what the engine did), and debit the
         key's tpm bucket with that instead of the admission charge."""
         record = call.client.get("key")

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import resource
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -396,3 +397,35 @@ class GatewayRunner(web.AppRunner):
     async def cleanup(self) -> None:
         await super().cleanup()
         self.notes.close()
+
+
+# ---- room for the connections in the open-files limit ---------------------------------
+# File descriptors the daemon needs besides client connections (engines, pipes, files).
+FD_HEADROOM = 256
+
+
+def ensure_fd_room(max_connections: int) -> str | None:
+    """Raise the soft open-files limit to fit max_connections, up to the hard limit.
+
+    Outside systemd (whose unit sets LimitNOFILE) the soft limit is often 1024, below the
+    default cap: connections past it would fail in accept() instead of getting a 503.
+    Returns a warning when the hard limit is too low, else None.
+    """
+    need = max_connections + MAX_LINGERING + FD_HEADROOM
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return None
+    target = need if hard == resource.RLIM_INFINITY else min(need, hard)
+    if target > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (OSError, ValueError):
+            target = soft
+    if target >= need:
+        return None
+    return (
+        f"gateway.max_connections = {max_connections} but this process may open only "
+        f"{target} files (ulimit -n; hard limit {hard}): connections beyond about "
+        f"{max(target - MAX_LINGERING - FD_HEADROOM, 0)} will fail; raise LimitNOFILE or lower "
+        "gateway.max_connections"
+    )

@@ -37,9 +37,8 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-from typing import cast
+from typing import Protocol, cast
 
-from appliance.gateway.accounting.stream_tap import StreamTap
 from appliance.gateway.wire.http1 import (
     MAX_HEAD_BYTES,
     AnswerTooLarge,
@@ -52,6 +51,20 @@ from appliance.gateway.wire.http1 import (
     parse_head,
     scan_chunks,
 )
+
+
+class Tap(Protocol):
+    """What reads a spliced stream's bytes on their way to the client (the usage tap,
+    accounting/stream_tap.py): stated here so the wire imports nothing above it."""
+
+    def wire(self, wire: bytes, chunks: int = 0) -> bytes:
+        """What of ``wire`` (whole chunks) goes to the client now."""
+        ...
+
+    def last(self, wire: bytes) -> bytes:
+        """What the client gets last, at the body's end."""
+        ...
+
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +113,7 @@ class UpstreamConnection(asyncio.Protocol):
         self.error: UpstreamError | None = None
         self.reusable = False
         self.idle_since = 0.0
-        self.tap: StreamTap | None = None  # reads the spliced events' usage (usage_events)
+        self.tap: Tap | None = None  # reads the spliced events' usage (usage_events)
         self._head_out = b""  # the client's response head: goes with the first chunk
         self._end_out = b""  # the client's body end: goes with the last chunk
         self.ended_stream = False  # the end went out: the client's answer is whole
