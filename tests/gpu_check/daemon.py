@@ -215,7 +215,7 @@ def daemon_env(repo: Path, shim_dir: Path | None, run_id: str, work: Path) -> di
         if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "JOURNAL_STREAM")
     }
     path = [str(repo)] if shim_dir is None else [str(shim_dir), str(repo)]
-    # Kept after ours: wheels carried to a GPU machine (docs/operations.md) live there.
+    # Kept after ours: wheels carried to a GPU machine (docs/gpu-check.md) live there.
     inherited = os.environ.get("PYTHONPATH", "").split(os.pathsep)
     path += [p for p in inherited if p and p not in path]
     env["PYTHONPATH"] = os.pathsep.join(path)

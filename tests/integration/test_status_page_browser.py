@@ -9,7 +9,7 @@ resume from the page, with their audit lines; a drain of the last engine serving
 for the force. Throughout: no dialog, no script error, no CSP violation.
 
 Screenshots of the overview under heat go to ``$LLM_APPLIANCE_UI_SHOTS`` when it is set
-(``docs/img`` refreshes the ones in docs/operations.md), else to the test's tmp folder.
+(``docs/img`` refreshes the ones in docs/status.md), else to the test's tmp folder.
 """
 
 from __future__ import annotations

@@ -176,7 +176,7 @@ def test_reload_reloads_keys_without_dropping_a_request(
         assert client.stdout is not None
         assert client.stdout.readline().strip() == "started"
         time.sleep(1.0)  # requests in flight (40 tokens x 5 ms each) when the reload comes
-        # The admin's way (docs/operations.md): as root; the file keeps its owner.
+        # The admin's way (docs/keys.md): as root; the file keeps its owner.
         created = app.box.run([CLI, "keys", "create", "--name", "reload-test"], check=True)
         new_key = created.stdout.splitlines()[0].strip()
         SECRETS["created key"] = new_key

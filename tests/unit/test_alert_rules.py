@@ -3,7 +3,7 @@
 `promtool check rules` says they parse; `promtool test rules` runs
 monitoring/prometheus/alerts_test.yml, where each alert meets input series that must make
 it fire and others that must leave it silent. The rest checks what an operator reads when
-one fires: a summary, and a runbook section in docs/operations.md that exists.
+one fires: a summary, and a runbook section in docs/runbook.md that exists.
 
 promtool comes from Debian's prometheus package (scripts/test-deps unpacks it into a
 cache folder); without it the promtool tests skip, saying why.
@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[2]
 RULES_DIR = REPO / "monitoring" / "prometheus"
 RULES = RULES_DIR / "alerts.yml"
 RULE_TESTS = RULES_DIR / "alerts_test.yml"
-OPERATIONS = REPO / "docs" / "operations.md"
+RUNBOOK = REPO / "docs" / "runbook.md"
 TOOLS = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "llm-appliance/tools"
 
 # What the rules must watch (issue 14, item 2); a rule renamed or dropped fails here.
@@ -64,8 +64,8 @@ def _github_anchor(heading: str) -> str:
     return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
 
 
-def _operations_anchors() -> set[str]:
-    lines = OPERATIONS.read_text(encoding="utf-8").splitlines()
+def _runbook_anchors() -> set[str]:
+    lines = RUNBOOK.read_text(encoding="utf-8").splitlines()
     return {_github_anchor(line.lstrip("#")) for line in lines if line.startswith("#")}
 
 
@@ -125,13 +125,13 @@ def test_every_alert_has_a_case_where_it_fires_and_one_where_it_stays_silent() -
 
 
 def test_every_alert_has_a_severity_a_summary_and_a_runbook_section_that_exists() -> None:
-    anchors = _operations_anchors()
+    anchors = _runbook_anchors()
     for rule in _rules():
         name = rule["alert"]
         assert rule["labels"]["severity"] in ("warning", "critical"), name
         notes = rule["annotations"]
         assert notes.get("summary") and notes.get("description"), name
         page, _, anchor = notes["runbook_url"].partition("#")
-        assert page == "docs/operations.md", name
+        assert page == "docs/runbook.md", name
         assert anchor == name.lower(), name
-        assert anchor in anchors, f"{name}: no section #{anchor} in docs/operations.md"
+        assert anchor in anchors, f"{name}: no section #{anchor} in docs/runbook.md"
