@@ -18,8 +18,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from appliance import paths
-from appliance.config import MAX_GPUS, Config, EngineConfig, ServedModel, on_demand
+from appliance.config import MAX_GPUS, Config, EngineConfig, ServedModel
+from appliance.config.checks.on_demand import sleep_on_cpu
 from appliance.config.lora import with_lora
+from appliance.config.words import label
 from appliance.endpoint import EngineAddress, socket_path
 from appliance.engine import EngineSpec, build_argv, build_env
 from appliance.engine_cpu import CpuDtype, choose_cpu_dtype, cpu_core_sets, omp_bind
@@ -152,7 +154,7 @@ def _gpu_groups(config: Config, gpu_count: int) -> list[tuple[ServedModel, tuple
         gpus = list(range(min(gpu_count, MAX_GPUS))) if m.gpus is None else list(m.gpus)
         missing = [g for g in gpus if g >= gpu_count]
         if missing:
-            key = "engine.gpus" if not config.models else f'models[{i}] ("{m.name}").gpus'
+            key = "engine.gpus" if not config.models else f"{label(i, m.name)}.gpus"
             raise ConfigError(
                 [
                     f"{key} = {gpus!r}: GPU(s) {missing} not present "
@@ -184,7 +186,7 @@ def plan_engines(
     dtype; ``preload`` (None: what :func:`cpu_preload_libs` finds) goes in its LD_PRELOAD;
     ``kept``: per model, the ranks of adapters the admin added (LoRA flags, lora.py)."""
     device = _device(config, gpu_count)
-    if problems := on_demand.sleep_on_cpu(config.served, device):
+    if problems := sleep_on_cpu(config.served, device):
         raise ConfigError(problems, config.source)
     groups, binds, core_sets = _engine_slots(config, device, gpu_count, cores)
     python = resolve_python(config, home)
@@ -263,7 +265,7 @@ def _model_paths(config: Config, home: Path) -> dict[str, str]:
             m,
             home,
             check=not m.engine.command or _uses(m.engine, "model"),
-            key=f'models[{i}] ("{m.name}").model' if config.models else "engine.model",
+            key=f"{label(i, m.name)}.model" if config.models else "engine.model",
         )
         for i, m in enumerate(config.served)
     }

@@ -2,14 +2,16 @@
 
 Every key is optional; the defaults are the contract's. Validation collects *every*
 problem before failing, and each message names the key path, the value it saw and what
-is allowed. One module per concern: ``sections`` (the tables and their fields),
-``fields`` (checking a value against a field), ``models`` (``[[models]]`` and the served
-models), ``checks`` / ``model_checks`` (rules across keys), ``document`` (the whole
-config), ``load`` (where it comes from) and ``markdown`` (docs/configuration.md).
+is allowed. One module per concern, each importing the ones before it and none after:
+``schema`` (every dataclass: the sections, the models, :class:`Config`), ``fields``
+(checking a value against a field), ``checks`` (a package: the rules across keys, a
+module per topic), ``model_tables`` (the ``[[models]]`` tables), ``parse`` (a TOML
+document into a :class:`Config`, running the checks), ``host`` (what the checks read of
+this host), ``load`` (where the config comes from) and ``markdown``
+(docs/configuration.md).
 """
 
-from appliance.config.checks import config_warnings
-from appliance.config.document import Config, parse_config
+from appliance.config.checks.advice import config_warnings
 from appliance.config.load import (
     CONFIG_ENV,
     DEFAULT_CONFIG_PATH,
@@ -17,18 +19,15 @@ from appliance.config.load import (
     resolve_config_path,
 )
 from appliance.config.markdown import config_markdown
-from appliance.config.models import (
-    MODEL_ENGINE_KEYS,
-    ModelConfig,
-    ServedModel,
-    Task,
-)
-from appliance.config.sections import (
+from appliance.config.parse import parse_config
+from appliance.config.schema import (
     COMMAND_PLACEHOLDERS,
     LIVE_KEYS,
     MAX_GPUS,
+    MODEL_ENGINE_KEYS,
     RESERVED_ENGINE_ENV,
     SECTIONS,
+    Config,
     DegradationConfig,
     Device,
     EngineConfig,
@@ -36,7 +35,10 @@ from appliance.config.sections import (
     Governor,
     HealthConfig,
     Listen,
+    ModelConfig,
     RestartConfig,
+    ServedModel,
+    Task,
     TelemetryConfig,
     ThermalConfig,
 )

@@ -1,7 +1,7 @@
 """How a config field is declared: its default, its doc sentence, bounds and liveness.
 
-Every section (:mod:`appliance.config.sections`, :mod:`appliance.config.gateway_section`)
-declares its fields with :func:`config_field`; the docs and the checks read the metadata.
+Every section of the schema (:mod:`appliance.config.schema`) declares its fields with
+:func:`config_field`; the docs and the checks read the metadata.
 """
 
 from __future__ import annotations

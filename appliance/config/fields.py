@@ -17,18 +17,11 @@ import typing
 from collections.abc import Mapping
 from typing import Any, Literal, get_args, get_origin
 
-from appliance.config.sections import SECTIONS
+from appliance.config.schema import SECTIONS
+from appliance.config.words import show
 
 
-def _show(value: Any) -> str:
-    if isinstance(value, str):
-        return '"' + value + '"'
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return repr(value)
-
-
-def _describe(tp: Any) -> str:
+def describe(tp: Any) -> str:
     """What a type allows, in the words of a TOML user."""
     if tp is bool:
         return "true or false"
@@ -40,17 +33,17 @@ def _describe(tp: Any) -> str:
         return "a string"
     origin = get_origin(tp)
     if origin is Literal:
-        return "one of " + ", ".join(_show(a) for a in get_args(tp))
+        return "one of " + ", ".join(show(a) for a in get_args(tp))
     if origin is list:
-        return f"a list of {_describe(get_args(tp)[0]).removeprefix('a ').removeprefix('an ')}s"
+        return f"a list of {describe(get_args(tp)[0]).removeprefix('a ').removeprefix('an ')}s"
     if origin is dict:
         return "a table of string values"
     if origin in (typing.Union, types.UnionType):
-        return " or ".join(_describe(a) for a in get_args(tp))
+        return " or ".join(describe(a) for a in get_args(tp))
     return str(tp)
 
 
-def _coerce(value: Any, tp: Any) -> tuple[bool, Any]:
+def coerce(value: Any, tp: Any) -> tuple[bool, Any]:
     """(ok, converted) for a TOML value against a field type; no implicit string parsing."""
     origin = get_origin(tp)
     if tp is bool:
@@ -72,7 +65,7 @@ def _coerce(value: Any, tp: Any) -> tuple[bool, Any]:
             return False, value
         out = []
         for v in value:
-            ok, c = _coerce(v, item)
+            ok, c = coerce(v, item)
             if not ok:
                 return False, value
             out.append(c)
@@ -84,14 +77,14 @@ def _coerce(value: Any, tp: Any) -> tuple[bool, Any]:
         return ok, dict(value) if ok else value
     if origin in (typing.Union, types.UnionType):
         for alt in get_args(tp):
-            ok, c = _coerce(value, alt)
+            ok, c = coerce(value, alt)
             if ok:
                 return True, c
         return False, value
     raise TypeError(f"unsupported config type {tp!r}")  # a bug in this module, not in input
 
 
-def _unknown(path: str, key: str, allowed: list[str], here: str = "") -> str:
+def unknown_key(path: str, key: str, allowed: list[str], here: str = "") -> str:
     """An unknown key's message: the section it belongs in when it is another
     section's key (``max_tokens_cap`` under [engine] is a [gateway] key, not a misspelt
     ``max_inflight_tokens``), else the nearest allowed key, and every allowed key.
@@ -123,25 +116,25 @@ def check_bounds(value: Any, meta: Mapping[str, Any]) -> str | None:
     return None
 
 
-def _build_section(name: str, cls: type[Any], raw: Any, problems: list[str]) -> Any:
+def build_section(name: str, cls: type[Any], raw: Any, problems: list[str]) -> Any:
     if not isinstance(raw, dict):
-        problems.append(f"[{name}]: must be a table, got {_show(raw)}")
+        problems.append(f"[{name}]: must be a table, got {show(raw)}")
         return cls()
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     values: dict[str, Any] = {}
     for key, value in raw.items():
         if key not in fields:
-            problems.append(_unknown(f"{name}.", key, list(fields), here=name))
+            problems.append(unknown_key(f"{name}.", key, list(fields), here=name))
             continue
         tp, meta = hints[key], fields[key].metadata
-        ok, converted = _coerce(value, tp)
+        ok, converted = coerce(value, tp)
         if not ok:
-            problems.append(f"{name}.{key} = {_show(value)}: must be {_describe(tp)}")
+            problems.append(f"{name}.{key} = {show(value)}: must be {describe(tp)}")
             continue
         bad = check_bounds(converted, meta)
         if bad:
-            problems.append(f"{name}.{key} = {_show(value)}: must be {bad}")
+            problems.append(f"{name}.{key} = {show(value)}: must be {bad}")
             continue
         values[key] = converted
     return cls(**values)

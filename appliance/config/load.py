@@ -1,5 +1,7 @@
 """Where the config comes from (--config, $LLM_APPLIANCE_CONFIG, the default path) and
-reading it: TOML in, a validated :class:`Config` out, once, at the edge."""
+reading it: TOML in, a validated :class:`Config` out, once, at the edge. The checks that
+need this host's facts (its RAM, model and adapter folders) get them here
+(:class:`~appliance.config.host.LocalHost`)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,9 @@ import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 
-from appliance.config.document import Config, parse_config
+from appliance.config.host import LocalHost
+from appliance.config.parse import parse_config
+from appliance.config.schema import Config
 from appliance.errors import ConfigError
 
 DEFAULT_CONFIG_PATH = Path("/etc/llm-appliance/config.toml")
@@ -54,4 +58,4 @@ def load_config(
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError([f"{path}: not valid TOML ({exc})"], str(path)) from None
-    return parse_config(raw, str(path))
+    return parse_config(raw, str(path), LocalHost())

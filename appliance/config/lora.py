@@ -13,15 +13,11 @@ bad folder is named before an engine ever sees it.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from appliance.config.lora_trust import untrusted
-
-if TYPE_CHECKING:
-    from appliance.config.models import ServedModel
+from appliance.config.schema import NAME_RE, ServedModel
 
 ADAPTER_CONFIG = "adapter_config.json"  # what makes a folder a PEFT (LoRA) adapter
 WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin", "adapter_model.pt")
@@ -40,14 +36,13 @@ MAX_PATH = 4096  # Linux's PATH_MAX
 
 
 NAME_RULE = "must be 1-64 characters of a-z 0-9 . _ -, not dots alone"
-_NAME_RE = re.compile(r"[a-z0-9._-]{1,64}")  # a model's name (config/models.py NAME_RE)
 
 
 def good_name(name: object) -> bool:
     """An adapter's name is a model name that can also stand in a URL path (DELETE
     /admin/models/{name}/adapters/{adapter}): "." and ".." would be read as a path's
     steps by every client on the way."""
-    return isinstance(name, str) and bool(_NAME_RE.fullmatch(name)) and name.strip(".") != ""
+    return isinstance(name, str) and bool(NAME_RE.fullmatch(name)) and name.strip(".") != ""
 
 
 class AdapterError(ValueError):

@@ -6,10 +6,9 @@ import dataclasses
 import typing
 from typing import Any
 
-from appliance.config.fields import _describe
+from appliance.config.fields import describe
 from appliance.config.load import CONFIG_ENV, DEFAULT_CONFIG_PATH
-from appliance.config.models import MODEL_ENGINE_KEYS, MODEL_KEY_DOCS
-from appliance.config.sections import SECTIONS
+from appliance.config.schema import MODEL_ENGINE_KEYS, MODEL_KEY_DOCS, SECTIONS
 
 
 def _toml_value(value: Any) -> str:
@@ -60,7 +59,7 @@ def config_markdown() -> str:
             live = "yes" if f.metadata["live"] else "no, restart"
             doc = f.metadata["doc"].replace("|", "\\|")
             lines.append(
-                f"| `{f.name}` | `{_toml_value(default)}` | {_describe(hints[f.name])} "
+                f"| `{f.name}` | `{_toml_value(default)}` | {describe(hints[f.name])} "
                 f"| {live} | {doc} |"
             )
         lines.append("")

@@ -19,14 +19,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from appliance import paths
 from appliance.config.lora_trust import untrusted
-
-if TYPE_CHECKING:
-    from appliance.config.document import Config
-    from appliance.config.models import ServedModel
+from appliance.config.schema import Config, ServedModel
+from appliance.config.words import label
 
 # What makes a folder a model vLLM can load: Hugging Face's config.json, or Mistral's
 # params.json; a single GGUF file is a model too.
@@ -69,7 +66,7 @@ def _table_key(config: Config, i: int, served: ServedModel) -> str:
     if not config.models:
         return "engine.model"
     table = config.models[i]
-    return f'models[{i}] ("{served.name}").model' if table.model is not None else "engine.model"
+    return f"{label(i, served.name)}.model" if table.model is not None else "engine.model"
 
 
 def named_models(config: Config) -> list[NamedModel]:
@@ -85,7 +82,7 @@ def named_models(config: Config) -> list[NamedModel]:
                 out.append(NamedModel(key, served.model, served.name))
         draft = served.speculative.get("model")
         if isinstance(draft, str) and draft:
-            key = f'models[{i}] ("{served.name}").speculative.model'
+            key = f"{label(i, served.name)}.speculative.model"
             out.append(NamedModel(key, draft, served.name, draft=True))
     return out
 

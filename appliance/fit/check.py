@@ -15,16 +15,11 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from appliance.config.model_places import locate, named_models
+from appliance.config.schema import Config, EngineConfig, ServedModel
 from appliance.fit.estimate import DTYPE_BYTES, Fit, FitInput, estimate, gib
 from appliance.fit.sources import FitSourceError, ModelFiles, model_files
-
-if TYPE_CHECKING:
-    from appliance.config import Config
-    from appliance.config.models import ServedModel
-    from appliance.config.sections import EngineConfig
 
 KIB = 1024
 

@@ -1,7 +1,7 @@
 """Models on demand: a model's lifecycle, and which model of a slot to load or put away.
 
 A slot is the GPUs (on CPU: the cores) that on-demand models take turns on
-(:func:`appliance.config.on_demand.slots`); one of them holds it at a time. A model's
+(:func:`slots`); one of them holds it at a time. A model's
 life, one enum with a table of allowed moves, as an engine's::
 
     UNLOADED ──► LOADING ──► LOADED ──► DRAINING ──► UNLOADING ──► UNLOADED
@@ -34,6 +34,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from appliance.config.schema import ServedModel
+
 
 class ModelState(enum.Enum):
     UNLOADED = "unloaded"  # no engine running (or planned only)
@@ -48,6 +50,20 @@ class ModelState(enum.Enum):
         """What /admin/status says: loaded, loading, sleeping or unloaded (contract). A
         model on its way out still holds its GPUs, so it shows as loaded until it is not."""
         return "loaded" if self in (ModelState.DRAINING, ModelState.UNLOADING) else self.value
+
+
+def slots(served: Sequence[ServedModel], device: str) -> tuple[tuple[str, ...], ...]:
+    """The on-demand models that take turns, as groups of names: by identical GPU sets,
+    or on ``device`` = "cpu" all of them in one group (on cores of their own beside the
+    ``always`` models'). check-config has refused overlapping sets that are not equal
+    (:mod:`appliance.config.checks.on_demand`)."""
+    groups: dict[object, list[str]] = {}
+    for m in served:
+        if m.load != "on_demand":
+            continue
+        key = "cpu" if device == "cpu" else tuple(sorted(m.gpus or ()))
+        groups.setdefault(key, []).append(m.name)
+    return tuple(tuple(g) for g in groups.values())
 
 
 _S = ModelState

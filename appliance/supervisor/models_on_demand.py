@@ -26,10 +26,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from appliance.config import Config, ServedModel
-from appliance.config.on_demand import slots
 from appliance.control import LOAD_BUCKETS, GatewayLink, ModelResult, ModelStatus
 from appliance.engine import EngineSpec, EngineState
-from appliance.policy.swap import Action, ModelSnap, ModelState, check_transition, decide
+from appliance.policy.swap import Action, ModelSnap, ModelState, check_transition, decide, slots
 from appliance.supervisor.commands import Park, Unpark
 from appliance.supervisor.runner import EngineRunner
 

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 
 from appliance.config import Config
-from appliance.config.checks import BATCHED_TOKENS_FLAG
+from appliance.config.checks.advice import BATCHED_TOKENS_FLAG
 from appliance.engine import EngineSpec, RestartReason
 from appliance.policy.degradation import Verdict as DegradationVerdict
 from appliance.supervisor.budget import RestartBook

@@ -27,9 +27,8 @@ from typing import Any
 import pytest
 
 from appliance.config import SECTIONS, Config, load_config, parse_config
-from appliance.config.models import MODEL_ENGINE_KEYS, MODEL_KEYS, TASKS
-from appliance.config.on_demand import LOADS, SWAPS
-from appliance.config.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
+from appliance.config.checks.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
+from appliance.config.schema import LOADS, MODEL_ENGINE_KEYS, MODEL_KEYS, SWAPS, TASKS
 from tests.fakes.lora_files import fake_adapter
 
 REPO = Path(__file__).resolve().parents[2]

@@ -12,7 +12,7 @@ import subprocess
 import pytest
 
 from appliance import paths
-from appliance.config.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
+from appliance.config.checks.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
 
 pytestmark = pytest.mark.e2e
 

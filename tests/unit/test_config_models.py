@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from appliance.config import Config, ServedModel, parse_config
-from appliance.config.models import PACKAGED_CONTEXT
+from appliance.config.schema import PACKAGED_CONTEXT
 from appliance.errors import ConfigError
 from appliance.reload import changed_keys, merge_live
 

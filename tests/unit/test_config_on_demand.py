@@ -9,8 +9,10 @@ from typing import Any
 import pytest
 
 from appliance.config import parse_config
-from appliance.config.on_demand import Adapter, slots
+from appliance.config.host import LocalHost
+from appliance.config.schema import Adapter
 from appliance.errors import ConfigError
+from appliance.policy.swap import slots
 from appliance.reload import merge_live
 from tests.fakes.lora_files import fake_adapter
 
@@ -19,7 +21,7 @@ OD = {"load": "on_demand"}
 
 def problems_of(raw: dict[str, Any]) -> list[str]:
     with pytest.raises(ConfigError) as info:
-        parse_config(raw)
+        parse_config(raw, host=LocalHost())  # adapter folders are looked at
     return info.value.problems
 
 

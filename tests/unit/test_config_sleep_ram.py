@@ -12,13 +12,8 @@ from pathlib import Path
 import pytest
 
 from appliance.cli import main
-from appliance.config.sleep_ram import (
-    GIB,
-    mem_total,
-    model_folder,
-    ram_problem,
-    weights_bytes,
-)
+from appliance.config.checks.sleep_ram import GIB, ram_problem
+from appliance.config.host import mem_total, model_folder, weights_bytes
 from appliance.errors import EXIT_CONFIG
 
 RAM = 64 * GIB

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from appliance.config import parse_config
+from appliance.config.host import LocalHost
 from appliance.config.lora import (
     AdapterError,
     adapter_rank,
@@ -153,7 +154,7 @@ def test_check_config_names_a_bad_adapter_folder(
         (folder / "adapter_model.safetensors").unlink()
     table = {"name": "a", "adapters": [{"name": "x", "path": str(folder)}]}
     with pytest.raises(ConfigError, match=re.escape(problem)):
-        parse_config({"models": [table]})
+        parse_config({"models": [table]}, host=LocalHost())
 
 
 def test_an_adapter_name_routes_to_its_base_model_and_is_sent_as_itself(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from appliance.config import parse_config
+from appliance.config.host import LocalHost
 from appliance.config.lora import AdapterError, UnsafeAdapter, adapter_rank, with_lora
 from appliance.config.lora_trust import trusted_owners, untrusted
 from appliance.errors import ConfigError
@@ -127,7 +128,7 @@ def test_check_config_names_an_unsafe_adapter_folder(tmp_path: Path) -> None:
     os.chmod(folder, 0o777)
     table = {"name": "chat", "adapters": [{"name": "sql", "path": str(folder)}]}
     with pytest.raises(ConfigError, match=rf"adapters\[0\]\.path = .*{folder} is writable"):
-        parse_config({"engine": {"device": "cpu"}, "models": [table]})
+        parse_config({"engine": {"device": "cpu"}, "models": [table]}, host=LocalHost())
 
 
 @pytest.mark.parametrize(

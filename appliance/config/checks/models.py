@@ -7,26 +7,32 @@ Each message names the table (``models[1] ("embed")``) and says what would be ri
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 from appliance import paths
-from appliance.config import on_demand, sleep_ram
-from appliance.config.checks import check_engine_keys
-from appliance.config.fields import _show
-from appliance.config.models import ModelConfig, ServedModel, _packaged_ok
-from appliance.config.parsers import check_parsers
-
-if TYPE_CHECKING:
-    from appliance.config.document import Config
+from appliance.config.checks import on_demand, sleep_ram
+from appliance.config.checks.facts import HostFacts
+from appliance.config.checks.parsers import check_parsers
+from appliance.config.checks.sections import check_engine_keys
+from appliance.config.schema import Config, ModelConfig, ServedModel
+from appliance.config.words import label, show
 
 
-def _label(i: int, m: ModelConfig) -> str:
-    return f'models[{i}] ("{m.name}")'
+def check_packaged(path: str, model: str, problems: list[str]) -> bool:
+    """A ``packaged:NAME`` model at key ``path`` must be one set-up knows; False (and the
+    problem named) when it is not. Any other model string is judged elsewhere."""
+    name = paths.packaged_name(model)
+    if name is not None and name not in paths.PACKAGED_MODELS:
+        known = ", ".join(f'"packaged:{n}"' for n in paths.PACKAGED_MODELS)
+        problems.append(f"{path} = {show(model)}: no such packaged model; packaged: {known}")
+        return False
+    return True
 
 
-def check_models(cfg: Config, problems: list[str]) -> None:
+def check(cfg: Config, problems: list[str], host: HostFacts | None = None) -> None:
+    """The rules across the models and [engine], in the order their problems are listed;
+    those that read the host (adapter folders, sleeping weights) only with ``host``."""
     # [engine].model is every table's default, and the one model without tables.
-    _packaged_ok("engine.model", cfg.engine.model, problems)
+    check_packaged("engine.model", cfg.engine.model, problems)
     # [engine]'s parsers are every generate model's default; an embed model ignores them,
     # unless it is the one model of a config without tables.
     alone_embed = not cfg.models and cfg.served[0].task == "embed"
@@ -37,13 +43,13 @@ def check_models(cfg: Config, problems: list[str]) -> None:
     _check_unique_names(cfg.models, problems)
     _check_gpus(cfg, problems)
     _check_fallbacks(cfg, problems)
-    on_demand.check(cfg, problems)
-    sleep_ram.check(cfg, problems)
+    on_demand.check(cfg, problems, host)
+    sleep_ram.check(cfg, problems, host)
     for i, (m, served) in enumerate(zip(cfg.models, cfg.served, strict=True)):
         _check_task(i, m, served, problems)
-        check_parsers(m.overrides, _label(i, m), problems, embed=served.task == "embed")
+        check_parsers(m.overrides, label(i, m.name), problems, embed=served.task == "embed")
         if "command" in m.overrides or "env" in m.overrides:
-            check_engine_keys(served.engine, _label(i, m), problems)
+            check_engine_keys(served.engine, label(i, m.name), problems)
 
 
 def _check_engine_section(cfg: Config, problems: list[str]) -> None:
@@ -67,8 +73,8 @@ def _check_unique_names(models: tuple[ModelConfig, ...], problems: list[str]) ->
                 j = owner[n]
                 what = "the name" if n == models[j].name else "an alias"
                 problems.append(
-                    f"{_label(i, m)}: {_show(n)} is already {what} of "
-                    f"{_label(j, models[j])}; names and aliases must be unique"
+                    f"{label(i, m.name)}: {show(n)} is already {what} of "
+                    f"{label(j, models[j].name)}; names and aliases must be unique"
                 )
             else:
                 owner[n] = i
@@ -82,27 +88,27 @@ def _check_gpus(cfg: Config, problems: list[str]) -> None:
         if not m.gpus:
             if several and cfg.engine.device != "cpu":
                 problems.append(
-                    f"{_label(i, m)}.gpus: missing; with several models each needs its "
+                    f"{label(i, m.name)}.gpus: missing; with several models each needs its "
                     'GPUs, e.g. gpus = [0] (or set engine.device = "cpu")'
                 )
             elif tp > 1 and cfg.engine.device != "cpu":
                 problems.append(
-                    f"{_label(i, m)}.tensor_parallel_size = {tp}: give the model's gpus "
+                    f"{label(i, m.name)}.tensor_parallel_size = {tp}: give the model's gpus "
                     f"(a multiple of {tp} of them)"
                 )
         elif len(m.gpus) % tp:
             problems.append(
-                f"{_label(i, m)}.gpus = {list(m.gpus)!r}: {len(m.gpus)} GPU(s) is not a "
+                f"{label(i, m.name)}.gpus = {list(m.gpus)!r}: {len(m.gpus)} GPU(s) is not a "
                 f"multiple of tensor_parallel_size = {tp} (each engine takes {tp})"
             )
         if m.gpus and cfg.engine.device == "cpu":
             problems.append(
-                f'{_label(i, m)}.gpus: a GPU list needs engine.device = "cuda" or '
+                f'{label(i, m.name)}.gpus: a GPU list needs engine.device = "cuda" or '
                 '"auto" (with device = "cpu" use cpu_engines)'
             )
         elif tp > 1 and cfg.engine.device == "cpu":
             problems.append(
-                f"{_label(i, m)}.tensor_parallel_size = {tp}: needs GPUs "
+                f"{label(i, m.name)}.tensor_parallel_size = {tp}: needs GPUs "
                 '(engine.device = "cpu"); on CPU use cpu_engines'
             )
         for g in m.gpus:
@@ -120,7 +126,7 @@ def _check_fallbacks(cfg: Config, problems: list[str]) -> None:
     for i, m in enumerate(cfg.models):
         if not m.fallback:
             continue
-        where = f"{_label(i, m)}.fallback = {_show(m.fallback)}"
+        where = f"{label(i, m.name)}.fallback = {show(m.fallback)}"
         j = by_name.get(m.fallback)
         if j is None:
             problems.append(f"{where}: no model has that name; models: " + _names(cfg))
@@ -154,10 +160,10 @@ def _check_task(i: int, m: ModelConfig, served: ServedModel, problems: list[str]
     if packaged is not None and m.task is not None and m.task != packaged.task:
         model = served.model or paths.PACKAGED_PREFIX + packaged.name
         problems.append(
-            f'{_label(i, m)}.task = "{m.task}": {model} is a model for task = "{packaged.task}"'
+            f'{label(i, m.name)}.task = "{m.task}": {model} is a model for task = "{packaged.task}"'
         )
     if served.task == "embed" and served.speculative:
         problems.append(
-            f"{_label(i, m)}.speculative: speculative decoding is for generate models, "
+            f"{label(i, m.name)}.speculative: speculative decoding is for generate models, "
             "not embeddings"
         )

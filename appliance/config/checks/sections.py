@@ -1,26 +1,26 @@
-"""Checks across keys and sections (what one field's type and bounds cannot say), and the
-warnings about settings that are allowed but unwise."""
+"""Checks across keys and sections (what one field's type and bounds cannot say): the
+gateway's address and TLS, the GPU list, engine ports, engine commands and variables,
+the sensor source and limits that must be ordered. The warnings about settings that are
+allowed but unwise are :mod:`appliance.config.checks.advice`."""
 
 from __future__ import annotations
 
 import ipaddress
 import re
 import string
-from typing import TYPE_CHECKING
 
-from appliance.config.fields import _show
-from appliance.config.sections import (
+from appliance.config.schema import (
     COMMAND_PLACEHOLDERS,
     MAX_GPUS,
     RESERVED_ENGINE_ENV,
+    Config,
     EngineConfig,
 )
-
-if TYPE_CHECKING:
-    from appliance.config.document import Config
+from appliance.config.words import show
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is this machine only (so a plain-HTTP gateway is not on a network)."""
     if host == "localhost":
         return True
     try:
@@ -53,8 +53,8 @@ def engine_count_bound(cfg: Config) -> int:
     return total
 
 
-def _cross_check(cfg: Config, problems: list[str]) -> None:
-    """Rules that span fields, in the order their problems are listed."""
+def check(cfg: Config, problems: list[str]) -> None:
+    """Rules that span fields of the sections, in the order their problems are listed."""
     _check_gateway(cfg, problems)
     _check_gpus(cfg.engine, problems)
     _check_ports(cfg, problems)
@@ -64,9 +64,9 @@ def _cross_check(cfg: Config, problems: list[str]) -> None:
 
 def _check_gateway(cfg: Config, problems: list[str]) -> None:
     g = cfg.gateway
-    if not _is_loopback(g.host) and not g.allow_lan:
+    if not is_loopback(g.host) and not g.allow_lan:
         problems.append(
-            f"gateway.host = {_show(g.host)}: a non-loopback address needs "
+            f"gateway.host = {show(g.host)}: a non-loopback address needs "
             "gateway.allow_lan = true (and should use tls_cert/tls_key)"
         )
     if bool(g.tls_cert) != bool(g.tls_key):
@@ -108,7 +108,7 @@ def _check_telemetry_and_limits(cfg: Config, problems: list[str]) -> None:
     t, th, r = cfg.telemetry, cfg.thermal, cfg.restart
     if not (t.source in ("nvml", "none") or (t.source.startswith("file:") and len(t.source) > 5)):
         problems.append(
-            f'telemetry.source = {_show(t.source)}: must be one of "nvml", '
+            f'telemetry.source = {show(t.source)}: must be one of "nvml", '
             '"none", "file:/path/sensors.json"'
         )
     if th.hard_limit_c <= th.soft_limit_c:
@@ -139,13 +139,13 @@ def check_engine_keys(e: EngineConfig, path: str, problems: list[str]) -> None:
             names = [f for _, f, _, _ in string.Formatter().parse(arg) if f is not None]
         except ValueError as exc:
             problems.append(
-                f"{path}.command[{i}] = {_show(arg)}: {exc} (write a literal brace as {{{{ or }}}})"
+                f"{path}.command[{i}] = {show(arg)}: {exc} (write a literal brace as {{{{ or }}}})"
             )
             continue
         for name in names:
             if name not in COMMAND_PLACEHOLDERS:
                 problems.append(
-                    f"{path}.command[{i}] = {_show(arg)}: unknown placeholder "
+                    f"{path}.command[{i}] = {show(arg)}: unknown placeholder "
                     f"{{{name}}}; allowed: "
                     + " ".join(f"{{{p}}}" for p in sorted(COMMAND_PLACEHOLDERS))
                 )
@@ -157,69 +157,3 @@ def check_engine_keys(e: EngineConfig, path: str, problems: list[str]) -> None:
                 f"{path}.env.{key}: set by the supervisor and not overridable "
                 f"(reserved: {', '.join(sorted(RESERVED_ENGINE_ENV))}, WATCHDOG_*)"
             )
-
-
-def _placeholders(arg: str) -> set[str]:
-    try:
-        return {f for _, f, _, _ in string.Formatter().parse(arg) if f is not None}
-    except ValueError:
-        return set()  # a config problem of its own, named by _cross_check
-
-
-def config_warnings(cfg: Config) -> list[str]:
-    """Settings that are allowed but unwise, each with what to do instead.
-
-    ``check-config`` prints them after its summary (still exit 0) and ``serve`` logs them
-    at WARNING when it starts: they are choices an admin may make on purpose, so they
-    never stop the service.
-    """
-    warnings: list[str] = []
-    g, e = cfg.gateway, cfg.engine
-    if not _is_loopback(g.host) and not g.tls_cert:
-        warnings.append(
-            f"gateway.host = {_show(g.host)} (allow_lan = true) without tls_cert/tls_key: "
-            "API keys, prompts and answers cross the network in clear text, readable "
-            "and replayable by anyone on the path; set gateway.tls_cert and "
-            "gateway.tls_key (docs/security.md)"
-        )
-    commands = [("engine", e.command)] + [
-        (f'models[{i}] ("{m.name}")', m.overrides["command"])
-        for i, m in enumerate(cfg.models)
-        if "command" in m.overrides
-    ]
-    for path, command in commands:
-        warnings += _api_key_warnings(path, command)
-        warnings += _heat_restart_warnings(cfg, path, command)
-    return warnings
-
-
-# What a heat restart halves (appliance/supervisor/planned.py): it finds the flag in the
-# engine's argv as an argument of its own, the number after it.
-BATCHED_TOKENS_FLAG = "--max-num-batched-tokens"
-
-
-def _heat_restart_warnings(cfg: Config, path: str, command: list[str]) -> list[str]:
-    """Heat restarts are on, but this command gives no ``--max-num-batched-tokens`` to
-    halve: its engines are never restarted for heat (only the admission throttle acts)."""
-    after = cfg.thermal.heat_restart_after_s
-    if not command or after <= 0 or BATCHED_TOKENS_FLAG in command:
-        return []
-    return [
-        f"{path}.command: has no {BATCHED_TOKENS_FLAG} argument, so thermal."
-        f"heat_restart_after_s = {after:g} does nothing for its engines (a heat restart "
-        "halves that number; the admission throttle still acts); add "
-        f'"{BATCHED_TOKENS_FLAG}", "<tokens>" (two arguments) to the command, or set '
-        "thermal.heat_restart_after_s = 0"
-    ]
-
-
-def _api_key_warnings(path: str, command: list[str]) -> list[str]:
-    warnings: list[str] = []
-    for i, arg in enumerate(command):
-        if "api_key" in _placeholders(arg):
-            warnings.append(
-                f"{path}.command[{i}] = {_show(arg)}: {{api_key}} puts the engine key on a "
-                "command line, which every local user can read (ps, /proc/PID/cmdline); "
-                "remove it: the engine gets its key in VLLM_API_KEY"
-            )
-    return warnings

@@ -17,7 +17,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from appliance.config.fields import _show
+from appliance.config.words import show
 
 TOOL_CALL_PARSERS: tuple[str, ...] = (
     "apertus", "cohere_command3", "cohere_command4", "deepseek_v3", "deepseek_v31",
@@ -54,7 +54,7 @@ def parser_problem(path: str, key: str, value: str) -> str | None:
     near = difflib.get_close_matches(value, allowed, n=1)
     hint = f" (did you mean {near[0]!r}?)" if near else ""
     return (
-        f"{path}.{key} = {_show(value)}: not a {key.replace('_', ' ')} vLLM 0.32 offers"
+        f"{path}.{key} = {show(value)}: not a {key.replace('_', ' ')} vLLM 0.32 offers"
         f"{hint}; allowed: {', '.join(allowed)}"
     )
 
@@ -81,13 +81,13 @@ def check_parsers(
             problems.append(problem)
         elif value and embed:
             problems.append(
-                f"{path}.{key} = {_show(value)}: parsers are for generate models, not "
+                f"{path}.{key} = {show(value)}: parsers are for generate models, not "
                 "embeddings; remove it"
             )
     for host in keys.get("allowed_media_domains") or ():
         if not HOST_RE.fullmatch(host):
             problems.append(
-                f"{path}.allowed_media_domains: {_show(host)} is not a host name; give "
+                f"{path}.allowed_media_domains: {show(host)} is not a host name; give "
                 "host names only, as vLLM compares them with a URL's host (e.g. "
                 '"images.example.com", no scheme, port or path)'
             )

@@ -10,23 +10,19 @@ A model's size is the size of its weight files (``*.safetensors``, else ``*.bin`
 its folder is on this host (a local path or a prepared ``packaged:`` model); a model id
 in the local cache, or a folder without such files, has no known size and is not
 counted (the message says so when the known ones alone are too many). The host's RAM is
-``MemTotal`` in ``/proc/meminfo``, read once per check; unreadable: no check.
+its ``MemTotal``, asked once per check; unknown: no check. Both are asked of the
+:class:`~appliance.config.checks.facts.HostFacts` the caller gives (the real host's reads
+are :mod:`appliance.config.host`); without one there is no check.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
-from typing import TYPE_CHECKING
 
-from appliance import paths
-
-if TYPE_CHECKING:
-    from appliance.config.document import Config
-    from appliance.config.models import ServedModel
+from appliance.config.checks.facts import HostFacts
+from appliance.config.schema import Config, ServedModel
 
 GIB = 1024**3
-MEMINFO = Path("/proc/meminfo")
 
 
 def gib(n: int) -> str:
@@ -55,12 +51,13 @@ def ram_problem(asleep: Sequence[tuple[str, int, int | None]], mem_total: int | 
     )
 
 
-def check(cfg: Config, problems: list[str], meminfo: Path = MEMINFO) -> None:
+def check(cfg: Config, problems: list[str], host: HostFacts | None = None) -> None:
+    """The sleeping models' weights against the RAM of ``host`` (None: no check)."""
     sleepers = [m for m in cfg.served if m.on_demand and m.swap == "sleep"]
-    if not sleepers:
+    if not sleepers or host is None:
         return
-    asleep = [(m.name, _engines(m), weights_bytes(model_folder(m.model))) for m in sleepers]
-    problem = ram_problem(asleep, mem_total(meminfo))
+    asleep = [(m.name, _engines(m), host.weights_bytes(m.model)) for m in sleepers]
+    problem = ram_problem(asleep, host.mem_total())
     if problem is not None:
         problems.append(problem)
 
@@ -68,43 +65,3 @@ def check(cfg: Config, problems: list[str], meminfo: Path = MEMINFO) -> None:
 def _engines(m: ServedModel) -> int:
     """Engines of the model, each with its own copy asleep (unknown GPUs: at least one)."""
     return max(1, len(m.gpus) // m.tensor_parallel_size) if m.gpus else 1
-
-
-def model_folder(model: str) -> Path | None:
-    """The model's folder on this host, or None (a model id: no size known here)."""
-    packaged = paths.packaged_name(model)
-    if not model or packaged is not None:
-        try:
-            return paths.packaged_model(
-                paths.appliance_home(), packaged or paths.PACKAGED_MODEL_NAME
-            )
-        except KeyError:  # an unknown packaged name: another check says so
-            return None
-    folder = Path(model).expanduser()
-    return folder if folder.is_dir() else None
-
-
-def weights_bytes(folder: Path | None) -> int | None:
-    """The size of the weights vLLM would load from ``folder`` (safetensors when there
-    are any, else .bin files); None when there are none or the folder is unreadable."""
-    if folder is None:
-        return None
-    try:
-        for pattern in ("*.safetensors", "*.bin"):
-            files = [f for f in folder.glob(pattern) if f.is_file()]
-            if files:
-                return sum(f.stat().st_size for f in files)
-    except OSError:
-        return None
-    return None
-
-
-def mem_total(meminfo: Path = MEMINFO) -> int | None:
-    """The host's RAM in bytes (``MemTotal``), or None when it cannot be read."""
-    try:
-        for line in meminfo.read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024  # kB
-    except (OSError, ValueError, IndexError):
-        return None
-    return None

@@ -13,7 +13,7 @@ import math
 from collections.abc import Iterator
 from typing import Any
 
-from appliance.config.fields import _show
+from appliance.config.words import show
 
 # vLLM 0.32's --speculative-config methods (vllm/config/speculative.py), plus its many
 # "<family>_mtp" ones, matched by suffix.
@@ -40,7 +40,7 @@ EXAMPLE = '{ method = "ngram", num_speculative_tokens = 4 }'
 def speculative_problem(path: str, value: Any) -> str | None:
     """What is wrong with the table at ``path`` (None: nothing check-config can see)."""
     if not isinstance(value, dict):
-        return f"{path} = {_show(value)}: must be a table, e.g. {EXAMPLE}"
+        return f"{path} = {show(value)}: must be a table, e.g. {EXAMPLE}"
     if not value:
         return None  # no speculation
     method = value.get("method")
@@ -48,7 +48,7 @@ def speculative_problem(path: str, value: Any) -> str | None:
         method in SPECULATIVE_METHODS or method.endswith("_mtp")
     ):
         allowed = ", ".join(sorted(SPECULATIVE_METHODS))
-        shown = _show(method) if method is not None else "(missing)"
+        shown = show(method) if method is not None else "(missing)"
         return f"{path}.method = {shown}: must be one of vLLM's methods: {allowed}, or *_mtp"
     return next(_value_problems(path, value), None)
 
@@ -64,11 +64,11 @@ def _value_problems(path: str, value: Any) -> Iterator[str]:
         return
     elif isinstance(value, (int, float)):
         if isinstance(value, float) and not math.isfinite(value):
-            yield f"{path} = {_show(value)}: must be a finite number"
+            yield f"{path} = {show(value)}: must be a finite number"
         elif value < 0:
-            yield f"{path} = {_show(value)}: must not be negative"
+            yield f"{path} = {show(value)}: must not be negative"
     else:
         yield (
-            f"{path} = {_show(value)}: must be a string, a number, true/false, a list or a "
+            f"{path} = {show(value)}: must be a string, a number, true/false, a list or a "
             "table (vLLM reads the table as JSON)"
         )
