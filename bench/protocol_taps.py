@@ -25,9 +25,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from appliance.gateway.accounting.counts import Usage
 from appliance.gateway.accounting.stream_tap import StreamTap
 from appliance.gateway.protocols import ROUTES
+from appliance.gateway.protocols.counts import Usage
 from bench._common import Table
 
 DATA = Path(__file__).parents[1] / "tests" / "data" / "vllm-0.32-streams"

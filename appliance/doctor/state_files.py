@@ -51,7 +51,7 @@ def _from_daemon(directory: Path, failing: Sequence[Any]) -> Result:
         f"the running daemon cannot write {said} (in {directory}); it keeps serving",
         f"free space on that file system (`df -h {directory}`); the daemon writes the files "
         "again by itself and says so in the journal (usage and audit lines kept in memory "
-        "meanwhile: docs/operations.md, Disk full)",
+        "meanwhile: docs/runbook.md, Disk full)",
         failing=list(failing),
     )
 

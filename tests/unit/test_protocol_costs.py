@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 
 from appliance.config import GatewayConfig
-from appliance.gateway.accounting.counts import EventUsage, Usage
 from appliance.gateway.errors import GatewayError
 from appliance.gateway.protocols import ROUTES
 from appliance.gateway.protocols.cost import TEMPLATE_TOKENS, TOKENS_PER_MESSAGE, Cost, text_tokens
+from appliance.gateway.protocols.counts import EventUsage, Usage
 
 LIMITS = GatewayConfig()  # max_tokens_cap 4096
 CTX = 1024

@@ -22,9 +22,9 @@ from typing import Any
 import pytest
 
 from appliance.endpoint import EngineAddress
-from appliance.gateway.accounting.counts import EventUsage, Usage
 from appliance.gateway.accounting.stream_tap import StreamTap
 from appliance.gateway.protocols import ROUTES, messages, responses
+from appliance.gateway.protocols.counts import EventUsage, Usage
 from appliance.gateway.wire.http1 import count_whole_chunks, request_bytes
 from appliance.gateway.wire.upstream_pool import UpstreamPool
 from tests.fakes.owners import in_process

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from appliance.gateway.accounting.counts import EventUsage, Usage
 from appliance.gateway.errors import GatewayError
+from appliance.gateway.protocols.counts import EventUsage, Usage
 from appliance.gateway.relay.stored_responses import (
     REPLAY,
     Holder,

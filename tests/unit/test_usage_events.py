@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 
 from appliance.gateway.accounting import stream_tap as usage_events
-from appliance.gateway.accounting.counts import Usage, usage_of_answer
 from appliance.gateway.accounting.plan import insert_stream_usage, plan_usage
 from appliance.gateway.accounting.stream_tap import StreamTap
+from appliance.gateway.protocols.counts import Usage, usage_of_answer
 from appliance.gateway.wire.http1 import count_whole_chunks, is_whole_chunks, scan_chunks
 
 FP = "vllm-0.32.0-1a2b3c4d"

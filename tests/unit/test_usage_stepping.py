@@ -20,10 +20,10 @@ from prometheus_client import CollectorRegistry
 
 from appliance.config import parse_config
 from appliance.gateway.accounting.book import UsageBook, usage_path
-from appliance.gateway.accounting.counts import Usage
 from appliance.gateway.accounting.plan import Stepping, UsagePlan, plan_usage, stepping_of
 from appliance.gateway.accounting.stream_tap import Metering, StreamTap
 from appliance.gateway.admission.ratelimit import RateLimiter
+from appliance.gateway.protocols.counts import Usage
 from appliance.gateway.relay.answers import EngineCall
 
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1000}

@@ -13,10 +13,10 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from appliance.gateway.accounting.book import HOUR_S, KEEP_HOURS, UsageBook, read_usage, usage_path
-from appliance.gateway.accounting.counts import Usage
 from appliance.gateway.accounting.plan import UsagePlan, plan_usage
 from appliance.gateway.accounting.stream_tap import Metering, StreamTap
 from appliance.gateway.admission.ratelimit import RateLimiter
+from appliance.gateway.protocols.counts import Usage
 from appliance.gateway.relay.answers import EngineCall
 
 T0 = 1_700_000_000.0  # a fixed clock

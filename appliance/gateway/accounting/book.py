@@ -39,9 +39,9 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter
 
 from appliance.fsutil import SAFE_OPEN, FileWriteError, atomic_write
-from appliance.gateway.accounting.counts import is_count
 from appliance.gateway.accounting.plan import UsagePlan
 from appliance.gateway.accounting.stream_tap import Metering, charged
+from appliance.gateway.protocols.counts import is_count
 from appliance.state_writes import WriteHealth, iso
 
 log = logging.getLogger("appliance.gateway")

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from appliance.config import ServedModel
-from appliance.gateway.accounting.counts import EventUsage, Usage, usage_of_answer
 from appliance.gateway.protocols.cost import prompt_bound
+from appliance.gateway.protocols.counts import EventUsage, Usage, usage_of_answer
 
 _LEADING_SPACE = re.compile(rb"[ \t\r\n]*")  # JSON's whitespace; no copy of the body
 STREAM_USAGE = b'"stream_options":{"include_usage":true},'

@@ -53,8 +53,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from appliance.gateway.accounting.counts import USAGE_MARK, EventUsage, Usage, usage_of
 from appliance.gateway.accounting.plan import UsagePlan
+from appliance.gateway.protocols.counts import USAGE_MARK, EventUsage, Usage, usage_of
 from appliance.gateway.wire.http1 import scan_chunks
 
 FINISH_MARK = b'"finish_reason":"'

@@ -33,9 +33,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from appliance.config import GatewayConfig
-from appliance.gateway.accounting.counts import EventUsage, Usage
 from appliance.gateway.errors import GatewayError, Shape, sse_error_event
 from appliance.gateway.protocols.cost import Cost
+from appliance.gateway.protocols.counts import EventUsage, Usage
 
 Check = Callable[[Mapping[str, Any]], None]
 Costing = Callable[[Mapping[str, Any], GatewayConfig, int], Cost]

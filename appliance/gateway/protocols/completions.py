@@ -11,9 +11,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from appliance.config import GatewayConfig
-from appliance.gateway.accounting.counts import usage_of_answer
 from appliance.gateway.protocols.base import Route, bad_request
 from appliance.gateway.protocols.cost import Cost, prompt_bound, request_cost
+from appliance.gateway.protocols.counts import usage_of_answer
 from appliance.gateway.protocols.logprobs import completions_prompt_logprobs
 
 

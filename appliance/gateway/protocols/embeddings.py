@@ -10,9 +10,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from appliance.config import GatewayConfig
-from appliance.gateway.accounting.counts import usage_of_answer
 from appliance.gateway.protocols.base import Route, require_list_or_text
 from appliance.gateway.protocols.cost import Cost, prompt_bound, request_cost
+from appliance.gateway.protocols.counts import usage_of_answer
 
 
 def _check(body: Mapping[str, Any]) -> None:

@@ -31,7 +31,6 @@ from collections.abc import Mapping
 from typing import Any
 
 from appliance.config import GatewayConfig
-from appliance.gateway.accounting.counts import EventUsage, Usage, is_count
 from appliance.gateway.errors import anthropic_error_body
 from appliance.gateway.protocols.base import (
     COUNT,
@@ -54,6 +53,7 @@ from appliance.gateway.protocols.cost import (
     text_bound,
     text_tokens,
 )
+from appliance.gateway.protocols.counts import EventUsage, Usage, is_count
 from appliance.gateway.protocols.tools import anthropic_calls_tools
 
 PATHS = ("/v1/messages", "/v1/messages/count_tokens")

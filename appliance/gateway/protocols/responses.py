@@ -27,7 +27,6 @@ from collections.abc import Mapping
 from typing import Any
 
 from appliance.config import GatewayConfig
-from appliance.gateway.accounting.counts import EventUsage, Usage, is_count
 from appliance.gateway.errors import GatewayError
 from appliance.gateway.protocols.base import (
     COUNT,
@@ -49,6 +48,7 @@ from appliance.gateway.protocols.cost import (
     text_bound,
     text_tokens,
 )
+from appliance.gateway.protocols.counts import EventUsage, Usage, is_count
 from appliance.gateway.protocols.tools import openai_calls_tools
 
 ID_PREFIX = "resp_"

@@ -17,9 +17,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from appliance.config import GatewayConfig
-from appliance.gateway.accounting.counts import usage_of_answer
 from appliance.gateway.protocols.base import Route, bad_request
 from appliance.gateway.protocols.cost import MEDIA_PART_TOKENS, Cost, text_bound, text_tokens
+from appliance.gateway.protocols.counts import usage_of_answer
 
 SCORE_PAIRS: tuple[tuple[str, str], ...] = (
     ("queries", "documents"),

@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from appliance.endpoint import EngineAddress
-from appliance.gateway.accounting.counts import Usage, usage_of_answer
 from appliance.gateway.accounting.stream_tap import Metering
 from appliance.gateway.errors import GatewayError, engine_refusal
 from appliance.gateway.protocols import ROUTES
+from appliance.gateway.protocols.counts import Usage, usage_of_answer
 from appliance.gateway.relay.failures import Attempt
 from appliance.gateway.relay.request_body import ParsedRequest
 from appliance.gateway.wire.http1 import AnswerTooLarge

@@ -31,9 +31,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from appliance.control import EngineStatus
-from appliance.gateway.accounting.counts import EventUsage, Usage
 from appliance.gateway.accounting.plan import UsagePlan
 from appliance.gateway.errors import GatewayError
+from appliance.gateway.protocols.counts import EventUsage, Usage
 
 MAX_KEPT = 100_000  # ids remembered: ~200 bytes each
 # A retrieve or cancel runs no model, and the response's tokens were counted when it was
