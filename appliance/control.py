@@ -110,6 +110,8 @@ class ModelStatus:
     # Its loads' durations: a count per LOAD_BUCKETS bucket (the last: above them all).
     load_buckets: tuple[int, ...] = ()
     load_seconds_sum: float = 0.0
+    # Its engines run the model repository's own Python (vLLM --trust-remote-code).
+    trust_remote_code: bool = False
 
 
 # appliance_model_load_seconds' buckets: a wake takes about a second, a cold start minutes.

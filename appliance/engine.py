@@ -320,6 +320,24 @@ def _sets(extra_args: Sequence[str], flag: str) -> bool:
     return any(a == flag or a.startswith((flag + "=", flag + ".")) for a in extra_args)
 
 
+TRUST_REMOTE_CODE = "--trust-remote-code"
+
+
+def trusts_remote_code(argv: Sequence[str]) -> bool:
+    """Whether an engine started with ``argv`` runs its model repository's own Python
+    (vLLM's ``--trust-remote-code``, from ``extra_args`` or a model's own ``command``):
+    what `status` marks. vLLM takes underscores for dashes and the last of
+    ``--trust-remote-code`` and ``--no-trust-remote-code``."""
+    trusts = False
+    for arg in argv:
+        flag = arg.replace("_", "-")
+        if flag == TRUST_REMOTE_CODE:
+            trusts = True
+        elif flag == "--no-" + TRUST_REMOTE_CODE[2:]:
+            trusts = False
+    return trusts
+
+
 def _device_args(e: EngineConfig, on_gpu: bool, cpu_flags: Collection[str]) -> list[str]:
     if on_gpu:
         return ["--gpu-memory-utilization", f"{e.gpu_memory_utilization:g}"]

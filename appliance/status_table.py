@@ -5,7 +5,8 @@ and each model are ready is /readyz's verdict, which the document carries (``rea
 ``readiness``): the table never says ready where /readyz says 503, nor DOWN for a model
 on demand put away. With several models the engines come in one block per model, under
 a line with the model's word; a daemon older than models (no ``model``, only ``gpu``)
-still gets a table.
+still gets a table. A model whose engines run its repository's own Python
+(``trust_remote_code``: vLLM's --trust-remote-code) gets a line that says so.
 """
 
 from __future__ import annotations
@@ -145,6 +146,18 @@ def _engine_notes(engines: list[dict[str, Any]]) -> list[str]:
     return ["", *notes] if notes else []
 
 
+def _trust_lines(models: list[dict[str, Any]]) -> list[str]:
+    """One line per model whose engines run its repository's own Python (vLLM's
+    --trust-remote-code): that code runs with the service's rights, so it is said."""
+    lines = [
+        f"model {m['name']}: trusts remote code (--trust-remote-code): its engines run the "
+        "Python code that came with the model"
+        for m in models
+        if m.get("trust_remote_code")
+    ]
+    return ["", *lines] if lines else []
+
+
 def _model_lines(models: list[dict[str, Any]]) -> list[str]:
     """Models on demand: each model's load state and its last request (shown only when
     some model loads on demand: otherwise every model is simply always loaded)."""
@@ -185,6 +198,7 @@ def render_table(doc: dict[str, Any]) -> str:
         f"up {doc['uptime_s']:.0f} s"
     )
     out = [head, *why, "", *_engine_lines(doc), *_engine_notes(doc["engines"])]
+    out += _trust_lines(doc.get("models") or [])
     out += _model_lines(doc.get("models") or [])
     if doc["gpus"]:
         out += ["", "GPU  TEMP  POWER       MEM USED  UTIL  LEVEL  CLOCK EVENTS"]

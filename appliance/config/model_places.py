@@ -16,6 +16,7 @@ in the local Hugging Face hub caches only.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,9 @@ from appliance.config.words import label
 # params.json; a single GGUF file is a model too.
 MODEL_MARKERS = ("config.json", "params.json")
 SETUP_HINT = "run `llm-appliance setup` (or `scripts/setup` in a checkout)"
+# A Hugging Face repository id as a config names one ("gpt2", "Qwen/Qwen2.5-7B-Instruct"):
+# only such a value is repeated in the hint's command, anything else stands as REPO_ID.
+_REPO_ID_RE = re.compile(r"(?:[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/)?[A-Za-z0-9][A-Za-z0-9_.-]{0,95}")
 _MODEL = "the model"
 
 
@@ -55,6 +59,35 @@ class Located:
 
 def looks_like_path(model: str) -> bool:
     return model.startswith(("/", "./", "../", "~"))
+
+
+def repo_id_in(model: str) -> str | None:
+    """``model`` when it reads as a Hugging Face repository id, else None."""
+    return model if _REPO_ID_RE.fullmatch(model) and ".." not in model else None
+
+
+def pull_command(model: str) -> str:
+    """The command that puts ``model`` on this machine: ``llm-appliance models pull`` with
+    the repository id when ``model`` reads as one, else with REPO_ID to fill in."""
+    return f"`llm-appliance models pull {repo_id_in(model) or 'REPO_ID'}`"
+
+
+def pull_hint(model: str) -> str:
+    """How to get a model that is not here, for check-config's and doctor's lines: the
+    pull downloads it into the model store and prints the [[models]] lines to paste."""
+    it = "it" if repo_id_in(model) else "a Hugging Face model"
+    return (
+        f"{pull_command(model)} downloads {it} into the model store and prints the "
+        "[[models]] lines to use"
+    )
+
+
+def pull_fix(model: str, key: str) -> str:
+    """doctor's fix for a model that is not here (the daemon never downloads one)."""
+    return (
+        f"{pull_command(model)}, then set {key} to the folder it prints (models are never "
+        "downloaded at run time)"
+    )
 
 
 def _uses(served: ServedModel, placeholder: str) -> bool:
@@ -150,9 +183,11 @@ def locate(model: str, home: Path, env: Mapping[str, str]) -> Located:
                     f"{path} is not prepared yet: `llm-appliance setup --home {home_of}` makes it"
                 )
                 return Located(path, problem, "folder", unprepared=True)
-            return Located(
-                path, f"{path}: no such folder (models are never downloaded at run time)", "folder"
+            problem = (
+                f"{path}: no such folder (models are never downloaded at run time; "
+                f"{pull_hint(model)}, or copy the model's folder there)"
             )
+            return Located(path, problem, "folder")
         return Located(path, not_a_model(path), "folder")
     caches = hf_cache_dirs(env)
     cached = find_cached_model(model, caches)
@@ -160,7 +195,7 @@ def locate(model: str, home: Path, env: Mapping[str, str]) -> Located:
         where = ", ".join(str(c) for c in caches)
         problem = (
             f"not in the local Hugging Face cache ({where}); models are never downloaded at "
-            "run time: put it in that cache, or name a local folder"
+            f"run time: {pull_hint(model)}, or name a local folder"
         )
         return Located(None, problem, "model id")
     return Located(cached, not_a_model(cached), "cached")

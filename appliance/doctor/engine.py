@@ -25,6 +25,7 @@ from appliance.config.model_places import (
     engine_env,
     model_trust_problem,
     named_models,
+    pull_fix,
     python_trust_problem,
 )
 from appliance.doctor.engine_sockets import (
@@ -276,8 +277,7 @@ def _check_one(
         return fail(
             where.line,
             f"{label}: {located.problem}",
-            "models are never downloaded at run time: put it in that cache, or set "
-            f"{where.named.key} to a local folder",
+            f"{pull_fix(where.named.value, where.named.key)}, or set it to a local folder",
         )
     problem = _model_place_problem(where, located, label, device, account, under_unit)
     if problem is not None:
@@ -296,7 +296,7 @@ def _model_place_problem(
         if located.unprepared:
             fix = setup_fix(device)
         elif not path.exists():
-            fix = f"fix {key}"
+            fix = f"fix {key}, or {pull_fix(where.named.value, key)}"
         else:
             fix = f"point {key} at the model's folder"
         return fail(name, f"{label}: {located.problem}", fix, path=str(path))

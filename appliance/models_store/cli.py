@@ -9,10 +9,15 @@ Exit 1 with one line on anything that did not happen.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import grp
 import json
 import os
+import pwd
 import shutil
 import sys
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from appliance import paths
@@ -25,6 +30,7 @@ from appliance.models_store.store import (
     store_dir,
     stored_models,
 )
+from appliance.setup import ownership
 
 
 def _fail(args: argparse.Namespace, message: str) -> int:
@@ -45,7 +51,8 @@ def cmd_pull(args: argparse.Namespace) -> int:
     name = args.name or default_name(args.repo_id)
     if (why := check_name(name)) is not None:
         return _fail(args, why)
-    folder = store_dir(paths.appliance_home()) / name
+    home = paths.appliance_home()
+    folder = store_dir(home) / name
     record = read_record(folder)
     if record is not None and record.get("repo_id") != args.repo_id:
         return _fail(
@@ -64,6 +71,9 @@ def cmd_pull(args: argparse.Namespace) -> int:
         )
     except PullError as exc:
         return _fail(args, str(exc))
+    finally:
+        # Done or not (a half pull is resumed later, maybe by the service account).
+        _give_store_back(home)
     gib = done.bytes / 1024**3
     print(
         f"pulled {args.repo_id}@{done.commit[:12]}: {len(done.files)} files, {gib:.1f} GiB "
@@ -73,6 +83,30 @@ def cmd_pull(args: argparse.Namespace) -> int:
     )
     print("\n".join(models_lines(name, str(done.folder), args.trust_remote_code)))
     return 0
+
+
+def _give_store_back(home: Path) -> None:
+    """Run as root into a home that is another account's (``sudo llm-appliance models
+    pull`` into the service's /var/lib/llm-appliance): hand what root made in the store
+    to that account, as set-up does, so the service owns its models (it may read, update
+    and remove them; the model trust rule takes its files as it takes root's)."""
+    handed = ownership.give_back(home, under=store_dir(home))
+    if handed is None or not (handed.count or handed.left):
+        return
+    uid, gid = handed.owner
+    print(
+        f"{handed.count} entries of {store_dir(home)} handed to {_name(pwd.getpwuid, uid)}:"
+        f"{_name(grp.getgrgid, gid)}, the owner of {home}",
+        file=sys.stderr,
+    )
+    for entry in handed.left:
+        print(f"left to root: {entry}", file=sys.stderr)
+
+
+def _name(lookup: Callable[[int], Any], number: int) -> str:
+    with contextlib.suppress(KeyError):
+        return str(lookup(number)[0])
+    return str(number)
 
 
 def cmd_list(args: argparse.Namespace) -> int:

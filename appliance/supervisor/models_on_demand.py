@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from appliance.config import Config, ServedModel
 from appliance.control import LOAD_BUCKETS, GatewayLink, ModelResult, ModelStatus
-from appliance.engine import EngineSpec, EngineState
+from appliance.engine import EngineSpec, EngineState, trusts_remote_code
 from appliance.policy.swap import Action, ModelSnap, ModelState, check_transition, decide, slots
 from appliance.supervisor.commands import Park, Unpark
 from appliance.supervisor.runner import EngineRunner
@@ -55,6 +55,7 @@ class _Model:
     loads: dict[str, int] = field(default_factory=dict)
     buckets: list[int] = field(default_factory=lambda: [0] * (len(LOAD_BUCKETS) + 1))
     seconds: float = 0.0
+    trusts_code: bool = False  # its engines run the repository's own code (fixed specs)
 
 
 class ModelsOnDemand:
@@ -72,7 +73,8 @@ class ModelsOnDemand:
         for m in config().served:
             mine = [r for r in runners if r.spec.model == m.name]
             state = ModelState.UNLOADED if m.on_demand else ModelState.LOADED
-            self._models[m.name] = _Model(m, mine, state, now, loaded_at=now)
+            trusts = any(trusts_remote_code(r.spec.argv) for r in mine)
+            self._models[m.name] = _Model(m, mine, state, now, loaded_at=now, trusts_code=trusts)
         self._slots = slots(config().served, device)
         self._asked = asyncio.Event()
 
@@ -145,6 +147,7 @@ class ModelsOnDemand:
             loads=dict(m.loads),
             load_buckets=tuple(m.buckets),
             load_seconds_sum=m.seconds,
+            trust_remote_code=m.trusts_code,
         )
 
     # ---- the task -------------------------------------------------------------------

@@ -82,3 +82,28 @@ def test_status_is_not_ready_with_the_reason_when_heat_stops_admission(
         app.wait_for(lambda: get_json(app.url + "/readyz")[0] == 200, 30, "readyz 200 again")
         table, doc = _status(app.url, key, capsys)
         assert doc["ready"] is True and ": ready," in table.splitlines()[0]
+
+
+def test_a_model_that_trusts_remote_code_is_marked_in_status_and_its_json(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 36: a model whose engines run with --trust-remote-code (the line `models pull
+    --trust-remote-code` prints, here in the model's own command) is marked in `status`
+    and in its --json; the other model is not."""
+    cfg: dict[str, Any] = fake_engine_config(tmp_path, 2, health=STEADY_HEALTH)
+    trusting = [*cfg["engine"]["command"], "--trust-remote-code"]
+    cfg["models"] = [
+        {"name": "chat", "cpu_engines": 1},
+        {"name": "coder", "cpu_engines": 1, "command": trusting},
+    ]
+    with run_appliance(tmp_path, cfg) as app:
+        app.wait_all_ready()
+        key = (tmp_path / "admin.key").read_text().strip()
+        table, doc = _status(app.url, key, capsys)
+        trusts = {m["name"]: m["trust_remote_code"] for m in doc["models"]}
+        assert trusts == {"chat": False, "coder": True}
+        assert (
+            "model coder: trusts remote code (--trust-remote-code): its engines run the "
+            "Python code that came with the model"
+        ) in table.splitlines()
+        assert "model chat: trusts" not in table

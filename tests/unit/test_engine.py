@@ -21,6 +21,7 @@ from appliance.engine import (
     build_env,
     check_transition,
     new_api_key,
+    trusts_remote_code,
 )
 from appliance.engine_cpu import choose_cpu_dtype, cpu_core_sets, omp_bind
 from appliance.errors import ConfigError, IllegalTransition
@@ -294,6 +295,30 @@ def test_the_admins_own_flags_in_extra_args_win(extra: list[str]) -> None:
     assert argv[-len(extra) :] == tuple(extra)
     assert sum(a.startswith("--structured-outputs-config") for a in argv) == 1
     assert sum(a.startswith("--allowed-media-domains") for a in argv) == 1
+
+
+@pytest.mark.parametrize(
+    ("argv", "trusts"),
+    [
+        ([], False),
+        (["--model", "/m", "--trust-remote-code"], True),
+        (["--trust_remote_code"], True),  # vLLM takes underscores for dashes
+        (["--trust-remote-code", "--no-trust-remote-code"], False),  # the last one wins
+        (["--no-trust-remote-code", "--trust-remote-code"], True),
+        (["--trust-remote-code-x"], False),
+        (["--served-model-name", "trust-remote-code"], False),
+    ],
+)
+def test_trusting_remote_code_is_read_from_the_whole_command_line(
+    argv: list[str], trusts: bool
+) -> None:
+    assert trusts_remote_code(argv) is trusts
+
+
+def test_a_pulled_models_extra_args_make_its_engines_trust_remote_code() -> None:
+    trusting = parse_config({"engine": {"extra_args": ["--trust-remote-code"]}})
+    assert trusts_remote_code(argv_for(trusting, gpu=0))
+    assert not trusts_remote_code(argv_for(parse_config({}), gpu=0))
 
 
 def test_an_embedding_model_gets_no_generation_flags() -> None:

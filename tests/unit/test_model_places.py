@@ -15,7 +15,12 @@ import pytest
 
 from appliance.cli import main
 from appliance.config import parse_config
-from appliance.config.model_places import check_engine_files, named_models, trust_problems
+from appliance.config.model_places import (
+    check_engine_files,
+    named_models,
+    pull_command,
+    trust_problems,
+)
 from appliance.doctor.engine import check_engine_venv, check_models
 from appliance.doctor.result import Account
 from appliance.doctor.venv_probe import VenvProbe
@@ -124,6 +129,78 @@ def test_a_model_id_must_be_in_the_local_cache(
     _model(repo / "snapshots" / "abc123")
     code, err = _check(tmp_path, monkeypatch, capsys, text)
     assert code == 0, err
+
+
+# --- issue 36: a missing model's hint names the command that gets it ------------------------
+
+
+@pytest.mark.parametrize(
+    ("model", "command"),
+    [
+        (
+            "Qwen/Qwen2.5-Coder-7B-Instruct",
+            "`llm-appliance models pull Qwen/Qwen2.5-Coder-7B-Instruct`",
+        ),
+        ("gpt2", "`llm-appliance models pull gpt2`"),
+        ("/srv/models/coder-7b", "`llm-appliance models pull REPO_ID`"),
+        ("./models/coder", "`llm-appliance models pull REPO_ID`"),
+        ("~/coder", "`llm-appliance models pull REPO_ID`"),
+        ("a/b/c", "`llm-appliance models pull REPO_ID`"),
+        ("x/../../etc", "`llm-appliance models pull REPO_ID`"),
+        ("two words", "`llm-appliance models pull REPO_ID`"),
+        ("a/b; rm -rf /", "`llm-appliance models pull REPO_ID`"),
+    ],
+)
+def test_the_pull_command_repeats_only_a_repository_id(model: str, command: str) -> None:
+    assert pull_command(model) == command
+
+
+def test_check_config_names_the_pull_command_for_a_missing_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _home(_private(tmp_path))
+    text = '[engine]\nmodel = "HuggingFaceTB/SmolLM2-360M-Instruct"\n'
+    code, err = _check(tmp_path, monkeypatch, capsys, text)
+    assert code == EXIT_CONFIG
+    assert (
+        "models are never downloaded at run time: `llm-appliance models pull "
+        "HuggingFaceTB/SmolLM2-360M-Instruct` downloads it into the model store and prints "
+        "the [[models]] lines to use, or name a local folder"
+    ) in err
+    gone = tmp_path / "coder-7b"
+    code, err = _check(tmp_path, monkeypatch, capsys, f'[engine]\nmodel = "{gone}"\n')
+    assert code == EXIT_CONFIG
+    assert (
+        f"{gone}: no such folder (models are never downloaded at run time; `llm-appliance "
+        "models pull REPO_ID` downloads a Hugging Face model into the model store"
+    ) in err
+
+
+def test_doctor_names_the_pull_command_for_a_missing_model(tmp_path: Path) -> None:
+    base = _private(tmp_path)
+    home = _home(base)
+    config = parse_config(
+        {
+            "engine": {"device": "cpu"},
+            "models": [
+                {"name": "chat", "model": "Qwen/Qwen2.5-Coder-7B-Instruct"},
+                {"name": "embed", "task": "embed", "model": str(base / "gone")},
+            ],
+        }
+    )
+    env = {"HOME": str(base)}
+    lines = {r.name: r for r in check_models(config, home, device="cpu", account=ME, env=env)}
+    chat, embed = lines["model chat"], lines["model embed"]
+    assert chat.status == "fail" and chat.fix == (
+        '`llm-appliance models pull Qwen/Qwen2.5-Coder-7B-Instruct`, then set models[0] ("chat")'
+        ".model to the folder it prints (models are never downloaded at run time), or set it "
+        "to a local folder"
+    )
+    assert embed.status == "fail" and embed.fix == (
+        'fix models[1] ("embed").model, or `llm-appliance models pull REPO_ID`, then set '
+        'models[1] ("embed").model to the folder it prints (models are never downloaded at '
+        "run time)"
+    )
 
 
 def test_a_packaged_model_set_up_has_not_prepared_yet_is_a_warning(

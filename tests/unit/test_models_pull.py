@@ -7,6 +7,7 @@ then the printed [[models]] lines, `models list` and `models remove`."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +18,7 @@ import pytest
 from appliance import paths
 from appliance.cli import main
 from appliance.models_store import pull as pull_mod
+from appliance.setup import ownership
 from tests.fakes.fake_hub import FakeHub, FakeRepo, serve_hub, smollm_repo
 
 pytest.importorskip("huggingface_hub")
@@ -183,3 +185,89 @@ def test_list_and_remove(hub: FakeHub, tmp_path: Path, capsys: pytest.CaptureFix
     assert code == 0 and out.startswith(f"removed {store(tmp_path) / 'smol'}")
     assert not (store(tmp_path) / "smol").exists()
     assert run(capsys, "models", "remove", "smol")[0] == 1
+
+
+# --- the store belongs to the service account, whoever pulls --------------------------------
+
+SERVICE = (4242, 4343)  # the service account (uid, gid); no such account here
+
+
+@pytest.fixture
+def as_root_in_the_services_home(monkeypatch: pytest.MonkeyPatch) -> dict[str, tuple[int, int]]:
+    """`sudo llm-appliance models pull` into /var/lib/llm-appliance, which belongs to the
+    service account, without root: this test's account plays root (what it makes is
+    "root's"), the home is said to be the service account's, and every chown is recorded
+    (path -> owner) instead of done."""
+    monkeypatch.setattr(ownership, "ROOT", os.geteuid())
+    monkeypatch.setattr(ownership, "home_owner", lambda home: SERVICE)
+    given: dict[str, tuple[int, int]] = {}
+
+    def fchown(fd: int, uid: int, gid: int) -> None:
+        given[os.readlink(f"/proc/self/fd/{fd}")] = (uid, gid)
+
+    def chown(name: str, uid: int, gid: int, *, dir_fd: int, follow_symlinks: bool) -> None:
+        assert not follow_symlinks  # a link's own owner, never its target's
+        given[os.path.join(os.readlink(f"/proc/self/fd/{dir_fd}"), name)] = (uid, gid)
+
+    monkeypatch.setattr(ownership.os, "fchown", fchown)
+    monkeypatch.setattr(ownership.os, "chown", chown)
+    return given
+
+
+def entries(top: Path) -> set[str]:
+    """``top`` and everything under it."""
+    out = {str(top)}
+    for root, dirs, files in os.walk(top):
+        out |= {os.path.join(root, n) for n in (*dirs, *files)}
+    return out
+
+
+def test_a_pull_by_root_leaves_the_store_to_the_service_account(
+    hub: FakeHub,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    as_root_in_the_services_home: dict[str, tuple[int, int]],
+) -> None:
+    code, _, err = run(capsys, "models", "pull", REPO, "--name", "smol")
+    assert code == 0, err
+    given = as_root_in_the_services_home
+    # Every entry root made in the store, the store itself first made by this pull too.
+    assert set(given) == entries(store(tmp_path)) and set(given.values()) == {SERVICE}
+    assert f"{len(given)} entries of {store(tmp_path)} handed to 4242:4343, the owner of " in err
+
+
+def test_a_pull_that_stops_half_way_leaves_its_files_to_the_service_account_too(
+    hub: FakeHub,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    as_root_in_the_services_home: dict[str, tuple[int, int]],
+) -> None:
+    """The service account (or root again) resumes the pull: what root left is not root's."""
+    real = pull_mod._download
+
+    def second_file_fails(repo_id: str, commit: str, f: Any, folder: Path, token: Any) -> None:
+        if any(folder.iterdir()):
+            raise pull_mod.PullError(f"{f.name}: connection reset")
+        real(repo_id, commit, f, folder, token)
+
+    monkeypatch.setattr(pull_mod, "_download", second_file_fails)
+    code, _, err = run(capsys, "models", "pull", REPO, "--name", "smol")
+    assert code == 1 and "connection reset" in err
+    made = entries(store(tmp_path))
+    assert str(store(tmp_path) / "smol" / ".cache") in made  # the resume state is there
+    assert set(as_root_in_the_services_home) == made
+
+
+def test_without_root_nothing_changes_hands(
+    hub: FakeHub,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Not root (or root in its own home, as this test's home is when it runs as root):
+    the files are already the account's that runs the daemon."""
+    monkeypatch.setattr(ownership, "ROOT", os.geteuid() + 1)  # whoever runs this is not root
+    monkeypatch.setattr(ownership, "home_owner", lambda home: SERVICE)
+    code, _, err = run(capsys, "models", "pull", REPO)
+    assert code == 0 and "handed to" not in err

@@ -134,6 +134,30 @@ def test_without_on_demand_models_there_is_no_models_table() -> None:
     assert "MODEL " not in render_table(d)
 
 
+def test_a_model_that_trusts_remote_code_is_marked() -> None:
+    """A model served with --trust-remote-code (issue 36: `models pull --trust-remote-code`
+    writes it into its extra_args) runs its repository's Python: status says so, one
+    model or several, on demand or not; the others get no line."""
+    note = (
+        "model coder: trusts remote code (--trust-remote-code): its engines run the Python "
+        "code that came with the model"
+    )
+    one = doc(engine(0, model="coder"))
+    one["models"] = [
+        {"name": "coder", "load": "always", "state": "loaded", "trust_remote_code": True}
+    ]
+    assert note in render_table(one).splitlines()
+    two = doc(engine(0, model="chat"), engine(1, model="coder"))
+    two["models"] = [
+        {"name": "chat", "load": "always", "state": "loaded", "trust_remote_code": False},
+        {"name": "coder", "load": "on_demand", "state": "unloaded", "trust_remote_code": True},
+    ]
+    table = render_table(two)
+    assert note in table.splitlines()
+    assert "model chat: trusts" not in table
+    assert "remote code" not in render_table(doc(engine(0, model="chat")))
+
+
 def test_the_verdict_is_readyz_s_own_a_model_put_away_is_not_down() -> None:
     """With ``readiness`` (/readyz's verdict, issue 33): each model's word is /readyz's,
     and a box that admits nothing says why, engine by engine."""

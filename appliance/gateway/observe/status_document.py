@@ -51,6 +51,7 @@ def _engine_json(adm: Admission, e: EngineStatus, gpu: GpuStatus | None) -> dict
 def _model_json(m: ModelStatus) -> dict[str, Any]:
     out: dict[str, Any] = {"name": m.name, "load": m.load, "state": m.state}
     out["last_used"] = round(m.last_used, 3) if m.last_used is not None else None
+    out["trust_remote_code"] = m.trust_remote_code  # its engines run the repository's code
     if m.detail:
         out["detail"] = m.detail  # draining, unloading: on its way out
     return out
