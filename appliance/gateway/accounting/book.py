@@ -1,7 +1,7 @@
 """Tokens used per API key: counted from the engine's own ``usage``, kept across restarts.
 
 Each try of a request on an engine, however it ends, adds its prompt and completion
-tokens (the engine's own, or an upper bound when they never came: usage_events.charged)
+tokens (the engine's own, or an upper bound when they never came: stream_tap.charged)
 to its key id (never the
 secret): to ``appliance_key_tokens_total{key,kind}`` and to :class:`UsageBook`, which
 keeps per key the totals and hourly buckets (31 days of them, so ``keys usage --since``

@@ -3,10 +3,10 @@
 vLLM sends a stream's usage only when asked (``stream_options.include_usage``), so the
 gateway asks for it on every streamed chat and completions request (:func:`plan_usage`);
 when the client did not ask, the stream's tap takes that event out again
-(usage_events.StreamTap). vLLM's ``continuous_usage_stats`` is never turned on: it would
+(stream_tap.StreamTap). vLLM's ``continuous_usage_stats`` is never turned on: it would
 put a usage object in every token event. The plan also keeps what the upper bound needs
 (:attr:`UsagePlan.prompt_bound`) for a request cut off before its count
-(usage_events.charged), and the route's own readers (protocols/).
+(stream_tap.charged), and the route's own readers (protocols/).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 vLLM sends a stream's usage only when asked (``stream_options.include_usage``): then, just
 before ``data: [DONE]``, one event with ``"choices":[]`` and ``"usage":{...}``. So the
 gateway asks for it on every streamed chat and completions request
-(usage_plan.plan_usage) and, when the client did not ask, takes that event out of what
+(plan.plan_usage) and, when the client did not ask, takes that event out of what
 the client receives (:class:`StreamTap`), so the client's stream is byte for byte what
 vLLM would have sent without ``include_usage``.
 
@@ -36,12 +36,12 @@ the mark ``"usage"`` is every shape's key anyway.
 
 **Every try is counted once, however it ends**: :class:`Metering` records what a try got
 (status, a whole answer's count, the stream's tap) as it goes; :func:`charged` makes it
-the key's count in the relay's one ``finally`` per try (proxy.py): the engine's own count
+the key's count in the relay's one ``finally`` per try (relay/handlers.py): the engine's own count
 when it came; nothing when the engine failed before any byte reached the client (retried,
 or a 502/504: the engine's failure, not the key's) or answered an error; else an upper
-bound never below what the engine did (:attr:`usage_plan.UsagePlan.prompt_bound`, and the token
+bound never below what the engine did (:attr:`plan.UsagePlan.prompt_bound`, and the token
 events read for a stream, times the most tokens one event may carry where vLLM puts
-several in one (``stream_interval``, speculative decoding: usage_plan.Stepping),
+several in one (``stream_interval``, speculative decoding: plan.Stepping),
 everything the request allowed for a whole answer).
 """
 

@@ -324,7 +324,7 @@ class Admission:
     ) -> int | None:
         """An engine of ``model`` reserved for this request if one has room at once (and
         nobody of that model waits, and the key is under its cap), else None: no
-        queueing, no refusal. The fallback's first look (proxy.py); release() it like
+        queueing, no refusal. The fallback's first look (relay/handlers.py); release() it like
         acquire()'s."""
         if not self._accepting() or self._queued_for(model) or self._capped(key, key_cap):
             return None

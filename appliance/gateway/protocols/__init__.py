@@ -6,7 +6,7 @@ each; nothing else is ever relayed to an engine (no catch-all).
 ``openai_chat``     ``/v1/chat/completions``
 ``completions``     ``/v1/completions``
 ``embeddings``      ``/v1/embeddings`` (embed models)
-``responses``       ``/v1/responses`` (retrieve and cancel: proxy.py, by the stored id)
+``responses``       ``/v1/responses`` (retrieve and cancel: relay/pinned.py, by the stored id)
 ``messages``        Anthropic's ``/v1/messages`` and ``/v1/messages/count_tokens``
 ``tokenize``        ``/tokenize``, ``/detokenize`` (any model)
 ``scoring``         ``/score``, ``/v1/score``, ``/rerank``, ``/v1/rerank``, ``/v2/rerank``

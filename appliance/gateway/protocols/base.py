@@ -1,6 +1,6 @@
 """What the relay needs to know of one API route, whatever its protocol.
 
-The relay (proxy.py, via_*.py) is protocol-blind: it reads a body, costs it, admits it,
+The relay (relay/handlers.py, via_*.py) is protocol-blind: it reads a body, costs it, admits it,
 relays it and counts it by calling what the route's :class:`Route` says. Each protocol
 is one module of this package giving its routes; the registry (``__init__``) lists them.
 A new protocol is one new module, nothing in the relay.
@@ -20,7 +20,7 @@ What a route says:
   (refusals.py);
 - **the answer**: the engine's own counts in a whole answer (``answer_usage``) and in a
   stream's events (``event_usage``; None: chat and completions' own reader, which asks
-  for the usage event and takes it out again, usage_events.StreamTap), how many events
+  for the usage event and takes it out again, stream_tap.StreamTap), how many events
   come before the first token (``preamble``), and the error shape of the protocol
   (``shape``: OpenAI's or Anthropic's, errors.py).
 """

@@ -2,7 +2,7 @@
 
 The body needs ``prompt`` (a string, a list of them, token ids or lists of them: each a
 request of its own in vLLM); cost.py's completions rules; a stream's counts come from
-the usage event the gateway asks for (usage_events.StreamTap).
+the usage event the gateway asks for (stream_tap.StreamTap).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A request's token counts as the engine reports them, and the readers of a whole answer's.
 
-``Usage`` is what a key is charged (usage_events.charged); ``EventUsage`` what one stream
+``Usage`` is what a key is charged (stream_tap.charged); ``EventUsage`` what one stream
 event of another protocol carries (protocols/). A whole answer's counts are its ``usage``
 object, read only when its bytes hold the mark (a body without it is never parsed).
 """

@@ -3,7 +3,7 @@
 The body needs ``messages``; its cost and bound are cost.py's chat rules (a prompt from
 the messages and tools, ``max_completion_tokens`` or ``max_tokens``, written when
 absent); a stream's counts come from the usage event the gateway asks for
-(usage_events.StreamTap), after one role event.
+(stream_tap.StreamTap), after one role event.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Each rule is its module's (tools.py, logprobs.py, media.py) and reads what the route says
 of its body (``Route.calls_tools``, ``prompt_logprobs``, ``media_fields``); the first
 refusal wins. They run on the model the request is sent to, so a fallback model is asked
-afresh (proxy.py).
+afresh (relay/handlers.py).
 """
 
 from __future__ import annotations

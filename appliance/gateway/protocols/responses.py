@@ -1,4 +1,4 @@
-"""OpenAI's Responses API: ``POST /v1/responses`` (its retrieve and cancel: proxy.py).
+"""OpenAI's Responses API: ``POST /v1/responses`` (its retrieve and cancel: relay/pinned.py).
 
 - **input**: ``input`` is a text or a list of items (messages whose content is a text or
   parts, function calls and their outputs, ...), with ``instructions`` and ``tools``

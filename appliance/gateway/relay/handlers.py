@@ -463,5 +463,5 @@ class Relay:
         finally:
             attempts.discard(attempt)
             # The one place a try's tokens are counted, however it ended: an answer, a
-            # break, a client gone (cancelled), an abandoned engine (usage_events.charged).
+            # break, a client gone (cancelled), an abandoned engine (stream_tap.charged).
             self._usage.finish(call)

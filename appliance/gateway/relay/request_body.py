@@ -40,7 +40,7 @@ class ParsedRequest:
     cost: int  # tokens, as appliance/gateway/protocols/cost.py counts them
     session: str | None
     body: bytes  # what the engine is sent: the client's bytes, unless a field had to be set
-    usage: UsagePlan | None = None  # what token accounting asked of the engine (usage_events)
+    usage: UsagePlan | None = None  # what token accounting asked of the engine (stream_tap)
     # What the key's tpm bucket was charged, when not ``cost``: a request sent to a
     # fallback is costed on that model's context, but was charged on the one it named.
     charged: int | None = None
@@ -76,7 +76,7 @@ def engine_priority(scheduling: str, key_class: str) -> int | None:
 
 # On an answer whose max_tokens the gateway lowered: the value the engine was sent.
 LOWERED_HEADER = "X-Appliance-Max-Tokens"
-LOWERED = "max_tokens_lowered"  # request key, set when the request is relayed (proxy.py)
+LOWERED = "max_tokens_lowered"  # request key, set when the request is relayed (relay/handlers.py)
 
 
 async def add_lowered_header(request: web.BaseRequest, response: web.StreamResponse) -> None:

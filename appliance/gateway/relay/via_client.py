@@ -124,7 +124,7 @@ async def _answer_whole(
 async def _stream(
     ways: EngineWays, call: EngineCall, upstream: aiohttp.ClientResponse
 ) -> web.StreamResponse:
-    # The relay counts the stream from its tap, however it ends (usage_events.charged).
+    # The relay counts the stream from its tap, however it ends (stream_tap.charged).
     call.meter.tap = tap = StreamTap.for_plan(call.parsed.usage)
     return await _stream_events(ways, call, upstream, tap)
 

@@ -100,7 +100,7 @@ async def _until_first_chunk(
             call.meter.answer = answer_usage(call, body)
             content_type = head.headers.get("content-type", "application/json").split(";")[0]
             return whole_answer(call, head.status, body, content_type)
-        # The relay counts the stream from its tap, however it ends (usage_events.charged):
+        # The relay counts the stream from its tap, however it ends (stream_tap.charged):
         # from the head on, so a stream cut before its first chunk is counted too.
         call.meter.tap = conn.tap = StreamTap.for_plan(call.parsed.usage)
         # Headers go out with the first chunk: until then a failure can still be

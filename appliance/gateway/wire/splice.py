@@ -13,7 +13,7 @@ event) boundary, where an error event can still be appended cleanly.
 
 Scope: one POST at a time per connection, to an engine on loopback that answers
 HTTP/1.1; connections are kept alive in a pool per engine (upstream_pool.py). The
-relay (proxy.py) uses it for streamed requests from HTTP/1.1 clients; everything else
+relay (relay/handlers.py) uses it for streamed requests from HTTP/1.1 clients; everything else
 goes through aiohttp's client. The HTTP/1.1 it reads and writes (heads, chunks, the
 request) is in http1.py.
 
@@ -113,7 +113,7 @@ class UpstreamConnection(asyncio.Protocol):
         self.error: UpstreamError | None = None
         self.reusable = False
         self.idle_since = 0.0
-        self.tap: Tap | None = None  # reads the spliced events' usage (usage_events)
+        self.tap: Tap | None = None  # reads the spliced events' usage (stream_tap)
         self._head_out = b""  # the client's response head: goes with the first chunk
         self._end_out = b""  # the client's body end: goes with the last chunk
         self.ended_stream = False  # the end went out: the client's answer is whole
