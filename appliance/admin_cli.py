@@ -32,12 +32,12 @@ from appliance.status import (
     AdminKey,
     Target,
     TLSOptionError,
-    _target,
-    _unreachable,
     fetch_status,
     find_admin_key,
     refusal_hint,
     ssl_context,
+    target_of,
+    unreachable_words,
 )
 
 ADMIN_TIMEOUT_S = 15.0  # the gateway waits up to 10 s for an engine's runner to answer
@@ -69,7 +69,7 @@ class Gateway:
         except urllib.error.HTTPError as exc:
             code, body = exc.code, _json_object(exc.read())
         except (OSError, ValueError) as exc:
-            raise CommandFailed(_unreachable(self.target, exc)) from None
+            raise CommandFailed(unreachable_words(self.target, exc)) from None
         if code in (401, 403):
             raise CommandFailed(
                 f"{self.target.url} answered {code}: {refusal_hint(code, self.key)}"
@@ -85,7 +85,7 @@ class Gateway:
                 f"{self.target.url} answered {exc.code}{': ' + hint if hint else ''}"
             ) from None
         except (OSError, ValueError) as exc:
-            raise CommandFailed(_unreachable(self.target, exc)) from None
+            raise CommandFailed(unreachable_words(self.target, exc)) from None
 
 
 def _json_object(raw: bytes) -> dict[str, Any]:
@@ -186,7 +186,7 @@ def run_model(gw: Gateway, action: str, name: str) -> str:
 
 
 def _gateway(args: argparse.Namespace) -> Gateway:
-    target = _target(args)
+    target = target_of(args)
     context = ssl_context(target)
     if target.insecure and context is not None:
         _say(args, "--insecure: the certificate is not checked, so anyone in between gets the key")

@@ -68,10 +68,10 @@ def _default_target(args: argparse.Namespace) -> Target:
     host = "127.0.0.1" if g.host in ("0.0.0.0", "::") else g.host
     host = f"[{host}]" if ":" in host else host
     url = f"{'https' if g.tls_cert else 'http'}://{host}:{g.port}"
-    return Target(url, pinned_cert=_first_certificate(g.tls_cert) if g.tls_cert else None)
+    return Target(url, pinned_cert=first_certificate(g.tls_cert) if g.tls_cert else None)
 
 
-def _first_certificate(path: str) -> str | None:
+def first_certificate(path: str) -> str | None:
     """The first certificate of a PEM file (the server's own, before any chain); None when
     it cannot be read (then the usual checks apply)."""
     try:
@@ -202,7 +202,7 @@ def fetch_status(
     return data
 
 
-def _target(args: argparse.Namespace) -> Target:
+def target_of(args: argparse.Namespace) -> Target:
     if args.url:
         return Target(args.url, cacert=args.cacert, insecure=args.insecure)
     default = _default_target(args)
@@ -211,7 +211,7 @@ def _target(args: argparse.Namespace) -> Target:
     return default
 
 
-def _unreachable(target: Target, exc: OSError | ValueError) -> str:
+def unreachable_words(target: Target, exc: OSError | ValueError) -> str:
     """One line saying why ``target`` gave no answer, with what to do about it."""
     url, reason = target.url, getattr(exc, "reason", exc)
     if isinstance(reason, ssl.SSLCertVerificationError):
@@ -237,7 +237,7 @@ def _unreachable(target: Target, exc: OSError | ValueError) -> str:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    target = _target(args)
+    target = target_of(args)
     url = target.url
     try:
         context = ssl_context(target)
@@ -254,7 +254,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         _warn(f"{url} answered {exc.code}{': ' + hint if hint else ''}")
         return 1
     except (OSError, ValueError) as exc:
-        _warn(_unreachable(target, exc))
+        _warn(unreachable_words(target, exc))
         return 1
     print(json.dumps(doc, indent=2) if args.json else render_table(doc))
     return 0

@@ -23,7 +23,7 @@ from appliance.config import GatewayConfig
 from appliance.doctor.result import Account, Result, fail, gib, na, octal_mode, ok
 from appliance.gateway.keys import ADMIN_KEY_FILE, KeysFileError, parse_keys_document
 from appliance.proctree import TAG_ENV
-from appliance.status import Target, _first_certificate, ssl_context
+from appliance.status import Target, first_certificate, ssl_context
 
 UNIT = "llm-appliance"
 UNIT_PROPERTIES = ("LoadState", "UnitFileState", "ActiveState", "Result", "ExecMainStatus", "User")
@@ -297,7 +297,7 @@ def gateway_target(g: GatewayConfig) -> Target:
     host = "127.0.0.1" if g.host in ("0.0.0.0", "::", "") else g.host
     host = f"[{host}]" if ":" in host else host
     url = f"{'https' if g.tls_cert else 'http'}://{host}:{g.port}"
-    return Target(url, pinned_cert=_first_certificate(g.tls_cert) if g.tls_cert else None)
+    return Target(url, pinned_cert=first_certificate(g.tls_cert) if g.tls_cert else None)
 
 
 def check_gateway(

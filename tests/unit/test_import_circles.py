@@ -106,3 +106,18 @@ def test_no_import_circle_in_the_package() -> None:
 def test_only_the_composition_root_imports_the_gateway_object() -> None:
     _, users = _graph()
     assert users <= GATEWAY_USERS, sorted(users - GATEWAY_USERS)
+
+
+def test_no_private_name_is_imported_across_modules() -> None:
+    """A leading underscore says "this module's own": another module that needs it
+    needs a public name (or the code moved to where it is used)."""
+    taken = []
+    for mod, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("appliance"):
+                taken += [
+                    f"{mod} takes {node.module}.{a.name}"
+                    for a in node.names
+                    if a.name.startswith("_") and not a.name.startswith("__")
+                ]
+    assert taken == []
