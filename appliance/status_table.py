@@ -158,6 +158,17 @@ def _trust_lines(models: list[dict[str, Any]]) -> list[str]:
     return ["", *lines] if lines else []
 
 
+def _key_lines(keys: list[dict[str, Any]]) -> list[str]:
+    """The keys holding the box now: requests in flight per key, most first (the
+    document's ``keys_inflight``, at most its top ten), so an operator sees who fills it."""
+    if not keys:
+        return []
+    out = ["", "KEY                  NAME                 INFLIGHT"]
+    for k in keys:
+        out.append(f"{k['id']:<20} {k.get('name') or '-':<20} {k['inflight']}")
+    return out
+
+
 def _model_lines(models: list[dict[str, Any]]) -> list[str]:
     """Models on demand: each model's load state and its last request (shown only when
     some model loads on demand: otherwise every model is simply always loaded)."""
@@ -200,6 +211,7 @@ def render_table(doc: dict[str, Any]) -> str:
     out = [head, *why, "", *_engine_lines(doc), *_engine_notes(doc["engines"])]
     out += _trust_lines(doc.get("models") or [])
     out += _model_lines(doc.get("models") or [])
+    out += _key_lines(doc.get("keys_inflight") or [])
     if doc["gpus"]:
         out += ["", "GPU  TEMP  POWER       MEM USED  UTIL  LEVEL  CLOCK EVENTS"]
         for g in doc["gpus"]:

@@ -184,3 +184,21 @@ def test_the_verdict_is_readyz_s_own_a_model_put_away_is_not_down() -> None:
         "engine 0: throttled by heat (GPU at the hard limit)",
         "engine 1: draining",
     ]
+
+
+def test_the_keys_holding_the_box_are_listed_most_first() -> None:
+    d = doc(engine(0, model="chat"))
+    d["keys_inflight"] = [
+        {"id": "k-eval", "name": "nightly eval", "inflight": 12},
+        {"id": "k-alice", "name": None, "inflight": 1},
+    ]
+    lines = render_table(d).splitlines()
+    head = lines.index("KEY                  NAME                 INFLIGHT")
+    assert lines[head + 1].split() == ["k-eval", "nightly", "eval", "12"]
+    assert lines[head + 2].split() == ["k-alice", "-", "1"]
+
+
+def test_no_key_table_while_nothing_is_in_flight() -> None:
+    d = doc(engine(0, model="chat"))
+    d["keys_inflight"] = []
+    assert not any(line.startswith("KEY ") for line in render_table(d).splitlines())
