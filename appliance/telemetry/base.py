@@ -38,6 +38,10 @@ class GpuReading:
     # Pids of the compute processes holding its memory (NVML's list): who to name when
     # the memory an engine left is not freed.
     pids: tuple[int, ...] | None = None
+    # Energy the GPU used since its driver loaded (NVML's total energy counter), in joules:
+    # cumulative, so per-interval use is a difference of two readings; it restarts from 0
+    # when the driver reloads (a counter reset, never a negative use).
+    energy_j: float | None = None
 
 
 class TelemetryError(Exception):

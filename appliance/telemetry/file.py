@@ -7,9 +7,10 @@ Format (every key but ``index`` optional; a missing key is an unknown sensor)::
     {"gpus": [{"index": 0, "temperature_c": 64, "power_w": 310, "power_limit_w": 450,
                "memory_used_bytes": 0, "memory_total_bytes": 25757220864,
                "utilization": 0.9, "throttle_reasons": [], "sm_clock_mhz": 2520,
-               "name": "NVIDIA GeForce RTX 4090", "uuid": "GPU-..."}]}
+               "name": "NVIDIA GeForce RTX 4090", "uuid": "GPU-...", "energy_j": 1234567.0}]}
 
-An entry without ``index`` takes its position in the list. Unknown keys are ignored.
+``energy_j`` is cumulative, like NVML's total energy counter (joules since some start the
+writer chooses); a value lower than the last one is a counter reset. An entry without ``index`` takes its position in the list. Unknown keys are ignored.
 
 Why it is forgiving: writers rarely replace the file atomically, so a read can see it
 missing, empty or half-written. Such a read tries once more after a short pause (the
@@ -287,4 +288,5 @@ class FileSource:
             throttle_reasons=self._reasons(index, entry),
             name=self._str(index, entry, "name"),
             uuid=self._str(index, entry, "uuid"),
+            energy_j=self._float(index, entry, "energy_j", low=0),
         )

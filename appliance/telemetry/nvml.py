@@ -164,6 +164,10 @@ class NvmlSource:
             )
             if fn is not None
         ]
+        # An nvidia-ml-py older than the energy counter lacks the call: energy is unknown.
+        self._energy_fn: Callable[[Any], Any] | None = getattr(
+            self._nvml, "nvmlDeviceGetTotalEnergyConsumption", None
+        )
         self._devices = [_Device(index=i) for i in range(count)]
         for device in self._devices:
             self._acquire(device)
@@ -334,6 +338,14 @@ class NvmlSource:
             procs = self._sensor(
                 device, "processes", lambda: nvml.nvmlDeviceGetComputeRunningProcesses(h)
             )
+            # Millijoules since the driver loaded (Volta and later; NotSupported elsewhere:
+            # then energy is unknown and no key is charged any).
+            energy_fn = self._energy_fn
+            energy = (
+                None
+                if energy_fn is None
+                else self._sensor(device, "energy", lambda: energy_fn(h) / 1000.0)
+            )
         except _GpuLost as lost:
             device.handle = None
             self._mark_lost(device, f"GPU is lost ({lost})")
@@ -351,6 +363,7 @@ class NvmlSource:
             name=device.name,
             uuid=device.uuid,
             pids=None if procs is None else tuple(int(p.pid) for p in procs),
+            energy_j=energy,
         )
 
     def _reinit(self) -> bool:

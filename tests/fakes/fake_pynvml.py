@@ -97,6 +97,9 @@ class FakeGpu:
     persistence_mode: Scripted = _real.NVML_FEATURE_ENABLED
     # Compute processes holding memory on it: (pid, used bytes or None when not known).
     processes: Scripted = ()
+    # NVML's total energy counter: millijoules since the driver loaded (NotSupported on
+    # cards before Volta).
+    energy_mj: Scripted = 3_600_000
     lost: bool = False  # fell off the bus: every call on it raises GpuIsLost
     handle_error: Scripted = None  # raised by nvmlDeviceGetHandleBy* when set
     generation: int = 0  # bump (reset_gpu) to make old handles stale
@@ -300,6 +303,10 @@ class FakeNvml:
             for pid, used in _value(gpu.processes)
         ]
 
+    def nvmlDeviceGetTotalEnergyConsumption(self, handle: Any) -> int:
+        gpu = self._gpu(handle, "nvmlDeviceGetTotalEnergyConsumption")
+        return int(_value(gpu.energy_mj))
+
     # -- the module ------------------------------------------------------------------
 
     _FUNCTIONS = (
@@ -326,6 +333,7 @@ class FakeNvml:
         "nvmlSystemGetDriverVersion",
         "nvmlDeviceGetPersistenceMode",
         "nvmlDeviceGetComputeRunningProcesses",
+        "nvmlDeviceGetTotalEnergyConsumption",
     )
     _REAL_PREFIXES = ("NVML_", "NVMLError", "nvmlClocksEventReason", "nvmlClocksThrottleReason")
     _REAL_NAMES = ("c_nvmlMemory_t", "c_nvmlUtilization_t", "nvmlExceptionClass")

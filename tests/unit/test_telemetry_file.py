@@ -36,6 +36,7 @@ CONTRACT_EXAMPLE = {
             "memory_total_bytes": 25757220864,
             "utilization": 0.9,
             "throttle_reasons": [],
+            "energy_j": 123456.5,
         }
     ]
 }
@@ -48,6 +49,7 @@ EXAMPLE_READING = GpuReading(
     memory_used_bytes=0,
     memory_total_bytes=25757220864,
     utilization=0.9,
+    energy_j=123456.5,
 )
 
 
@@ -311,6 +313,9 @@ def test_non_atomic_writer_never_breaks_a_reader(
         ("sm_clock_mhz", "fast"),
         ("name", 4090),
         ("uuid", ["GPU-1"]),
+        ("energy_j", -1),
+        ("energy_j", "12 kJ"),
+        ("energy_j", math.inf),
     ],
 )
 def test_wrong_field_type_is_none_for_that_field_only(
@@ -357,6 +362,27 @@ def test_explicit_null_is_unknown_without_warning(
     write(path, {"gpus": [{"index": 0, "temperature_c": None, "power_w": None, "name": None}]})
     assert FileSource(path).read() == [GpuReading(index=0)]
     assert warnings(caplog) == []
+
+
+def test_energy_is_read_as_written_and_a_counter_reset_as_the_lower_value(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """energy_j is cumulative; the source hands on what the file says, a lower value (a
+    writer that started over) too: the consumer of the counter judges resets
+    (accounting/energy.py), the source never invents a value."""
+    path = tmp_path / "s.json"
+    source = FileSource(path_with(path, 1000.0))
+    assert [r.energy_j for r in source.read()] == [1000.0, None]
+    write(path, {"gpus": [gpu(0, 60, energy_j=1500), gpu(1, 60, energy_j=7)]})
+    assert [r.energy_j for r in source.read()] == [1500.0, 7.0]
+    write(path, {"gpus": [gpu(0, 60, energy_j=20), gpu(1, 60, energy_j=9)]})
+    assert [r.energy_j for r in source.read()] == [20.0, 9.0]
+    assert warnings(caplog) == []
+
+
+def path_with(path: Path, energy_j: float) -> Path:
+    write(path, {"gpus": [gpu(0, 60, energy_j=energy_j), gpu(1, 60)]})
+    return path
 
 
 # -- none source and spec parsing -------------------------------------------------------------

@@ -53,6 +53,7 @@ def two_gpus() -> list[FakeGpu]:
             sm_clock_mhz=2520,
             clock_reasons=reasons("sw_power_cap", "hw_slowdown"),
             processes=((4242, 2_000_000_000), (4343, None)),
+            energy_mj=123_456_789,
         ),
         FakeGpu(name="NVIDIA GeForce RTX 4090", uuid="GPU-bbbb", temperature_c=51),
     ]
@@ -96,6 +97,7 @@ def test_readings_are_decoded_into_si_units_and_reason_names(fake: FakeNvml) -> 
         name="NVIDIA GeForce RTX 4090",
         uuid="GPU-aaaa",
         pids=(4242, 4343),
+        energy_j=123_456.789,
     )
     assert second.index == 1
     assert second.pids == ()
@@ -209,6 +211,44 @@ def test_not_supported_sensor_is_none_and_the_rest_still_read(
     assert sum("power unavailable" in m for m in infos) == 1  # once, not per interval
     assert sum("SM clock unavailable" in m for m in infos) == 1
     assert messages(caplog, logging.WARNING) == []
+
+
+def test_energy_counter_not_supported_is_unknown_said_once_and_can_come_back(
+    fake: FakeNvml, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Cards before Volta have no total energy counter: energy is unknown (no key is
+    charged any), said once at INFO, and the other sensors read on."""
+    caplog.set_level(logging.DEBUG, logger=NVML_LOGGER)
+    fake.gpus[0].energy_mj = NotSupported
+    source = NvmlSource()
+    for _ in range(3):
+        first, second = source.read()
+        assert first.energy_j is None
+        assert first.temperature_c == 64.0
+        assert second.energy_j == 3600.0
+    assert sum("energy unavailable" in m for m in messages(caplog, logging.INFO)) == 1
+    assert messages(caplog, logging.WARNING) == []
+    fake.gpus[0].energy_mj = 5_000
+    assert source.read()[0].energy_j == 5.0
+
+
+def test_energy_counter_reset_is_read_as_it_is(fake: FakeNvml) -> None:
+    """A driver reload restarts NVML's counter from 0: the reading says so; the split
+    (accounting/energy.py) takes a lower value as a reset, never as negative use."""
+    source = NvmlSource()
+    fake.gpus[0].energy_mj = 9_000_000
+    assert source.read()[0].energy_j == 9000.0
+    fake.gpus[0].energy_mj = 250
+    assert source.read()[0].energy_j == 0.25
+
+
+def test_bindings_without_the_energy_call_read_energy_as_unknown(
+    fake: FakeNvml, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delattr(fake.module, "nvmlDeviceGetTotalEnergyConsumption")
+    first, second = NvmlSource().read()
+    assert (first.energy_j, second.energy_j) == (None, None)
+    assert first.temperature_c == 64.0
 
 
 @pytest.mark.parametrize("error", [NoPermission, Unknown, NotSupported])
