@@ -10,7 +10,8 @@ root (:mod:`appliance.serve`) hands each its half of the other::
                                         each model's state; LoRA adapters: which
                                         there are, add / remove one)
                          ▲ implemented by the supervisor
-    supervisor ─calls─► GatewayLink    (work in flight, KV breaker, throttle, shutdown)
+    supervisor ─calls─► GatewayLink    (work in flight, KV breaker, throttle, GPU readings,
+                                        shutdown)
                          ▲ implemented by the gateway
 
 A command does not change an engine: it is a request that the engine's runner (the only
@@ -300,6 +301,11 @@ class GatewayLink(Protocol):
     def observe_kv(self, engine_id: int, usage: float | None) -> None: ...
     def kv_tripped(self, engine_id: int) -> bool: ...
     def set_throttle(self, engine_id: int, level: int) -> None: ...
+    def telemetry_read(self, gpus: tuple[GpuStatus, ...]) -> None:
+        """The GPUs as just read, once per telemetry tick (energy per key is shared out
+        here): cheap, on the supervisor's loop."""
+        ...
+
     def engines_changed(self) -> None: ...
     def queued_since(self, model: str) -> float | None:
         """When the longest-waiting request for ``model`` began to wait in the gateway's
@@ -336,6 +342,9 @@ class NoGateway:
         return False
 
     def set_throttle(self, engine_id: int, level: int) -> None:
+        pass
+
+    def telemetry_read(self, gpus: tuple[GpuStatus, ...]) -> None:
         pass
 
     def engines_changed(self) -> None:

@@ -207,7 +207,8 @@ def cmd_revoke(args: argparse.Namespace) -> int:
 
 _DURATION = re.compile(r"([0-9]{1,6})([smhd])")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-USAGE_COLUMNS = ("ID", "NAME", "PROMPT", "COMPLETION", "TOTAL")
+USAGE_COLUMNS = ("ID", "NAME", "PROMPT", "COMPLETION", "TOTAL", "ENERGY_WH")
+J_PER_WH = 3600.0
 
 
 def _duration(text: str) -> float:
@@ -230,7 +231,8 @@ def cmd_usage(args: argparse.Namespace) -> int:
         return _fail(f"cannot read {path} ({exc.strerror or exc})")
     start = None if args.since is None else time.time() - args.since
     per_key = counts.since(start) if counts is not None else {}
-    rows = _usage_rows(per_key, _key_names(store))
+    energy = counts.energy_since(start) if counts is not None else {}
+    rows = _usage_rows(per_key, _key_names(store), energy)
     if args.json:
         print(json.dumps({"since_seconds": args.since, "file": str(path), "keys": rows}, indent=2))
         return 0
@@ -250,9 +252,14 @@ def _key_names(store: KeyStore) -> dict[str, str]:
 
 
 def _usage_rows(
-    per_key: Mapping[str, tuple[int, int]], names: Mapping[str, str]
+    per_key: Mapping[str, tuple[int, int]],
+    names: Mapping[str, str],
+    energy: Mapping[str, float],
 ) -> list[dict[str, Any]]:
-    """One row per key id, the heaviest user first."""
+    """One row per key id, the heaviest user first. ``energy_wh``: the key's estimated
+    share of its GPUs' energy (accounting/energy.py); None when none was ever charged to
+    it (no energy telemetry: a CPU box, a card without the counter), which is not 0."""
+    tokens = {k: per_key.get(k, (0, 0)) for k in per_key.keys() | energy.keys()}
     return [
         {
             "id": key_id,
@@ -260,8 +267,9 @@ def _usage_rows(
             "prompt_tokens": p,
             "completion_tokens": c,
             "total_tokens": p + c,
+            "energy_wh": round(energy[key_id] / J_PER_WH, 6) if key_id in energy else None,
         }
-        for key_id, (p, c) in sorted(per_key.items(), key=lambda kv: -sum(kv[1]))
+        for key_id, (p, c) in sorted(tokens.items(), key=lambda kv: (-sum(kv[1]), kv[0]))
     ]
 
 
@@ -273,6 +281,7 @@ def _print_usage_table(rows: Sequence[Mapping[str, Any]]) -> None:
             str(r["prompt_tokens"]),
             str(r["completion_tokens"]),
             str(r["total_tokens"]),
+            "-" if r["energy_wh"] is None else f"{r['energy_wh']:.3f}",
         )
         for r in rows
     ]
@@ -363,10 +372,10 @@ def _add_usage(
     p = ksub.add_parser(
         "usage",
         parents=[common],
-        help="tokens used per key id",
+        help="tokens and energy used per key id",
         description="Prompt and completion tokens per key id, from the engines' own counts, "
-        "as the daemon last saved them (usage.json beside the keys file; every 10 s and on "
-        "stop).",
+        "and each key's estimated share of its GPUs' energy (by its tokens), as the daemon "
+        "last saved them (usage.json beside the keys file; every 10 s and on stop).",
     )
     p.add_argument(
         "--since",

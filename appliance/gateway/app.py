@@ -24,7 +24,7 @@ from pathlib import Path
 from aiohttp import web
 
 from appliance.audit import AuditLog
-from appliance.control import Appliance, ModelDoor, NoModels
+from appliance.control import Appliance, GpuStatus, ModelDoor, NoModels
 from appliance.errors import ApplianceError
 from appliance.gateway.accounting.book import UsageBook, usage_path
 from appliance.gateway.admin.routes import Admin
@@ -130,6 +130,17 @@ class Gateway:
 
     def set_throttle(self, engine_id: int, level: int) -> None:
         self.admission.set_throttle(engine_id, level)
+
+    def telemetry_read(self, gpus: tuple[GpuStatus, ...]) -> None:
+        """A telemetry tick: the GPUs' energy since the last one goes to the keys whose
+        tokens were counted on them meanwhile (accounting/energy.py)."""
+        energy = {g.index: g.reading.energy_j for g in gpus}
+        engines = self.appliance.engines()
+        self.usage.energy_tick(
+            energy,
+            {e.id: e.telemetry_indexes for e in engines},
+            [e.id for e in engines if self.admission.inflight(e.id)],
+        )
 
     def engines_changed(self) -> None:
         self.admission.kick()

@@ -8,7 +8,8 @@ to the gateway, which admits less to a hot GPU. When
 ``thermal.heat_restart_after_s`` is on, a GPU held at the hard limit that long
 (:func:`appliance.policy.thermal.sustained_heat`) gets a word to its engine's runner to
 restart with fewer batched tokens, and one cool for ``heat_restore_after_s`` a word to
-restore them; the runner decides (it alone changes the engine).
+restore them; the runner decides (it alone changes the engine). Each reading also goes
+to the gateway as it is (``telemetry_read``), which shares the GPUs' energy among keys.
 """
 
 from __future__ import annotations
@@ -65,15 +66,19 @@ class HeatWatch:
         """Read, govern, tell, every telemetry.interval_s until the daemon stops."""
         warned = False
         while not stopping():
+            read = False
             try:
                 readings = await asyncio.to_thread(self.source.read)
                 self.readings = {r.index: r for r in readings}
                 warned = False
+                read = True
             except Exception as exc:  # a failing sensor source never stops the daemon
                 if not warned:
                     log.warning("GPU telemetry read failed: %s", exc)
                     warned = True
             self.govern(runners, link(), time.monotonic())
+            if read:  # a failed read is no new figure: the next one covers both intervals
+                link().telemetry_read(self.gpus())
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._nudged.wait(), self._config().telemetry.interval_s)
             self._nudged.clear()

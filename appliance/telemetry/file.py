@@ -10,7 +10,8 @@ Format (every key but ``index`` optional; a missing key is an unknown sensor)::
                "name": "NVIDIA GeForce RTX 4090", "uuid": "GPU-...", "energy_j": 1234567.0}]}
 
 ``energy_j`` is cumulative, like NVML's total energy counter (joules since some start the
-writer chooses); a value lower than the last one is a counter reset. An entry without ``index`` takes its position in the list. Unknown keys are ignored.
+writer chooses); a value lower than the last one is a counter reset. An entry without
+``index`` takes its position in the list. Unknown keys are ignored.
 
 Why it is forgiving: writers rarely replace the file atomically, so a read can see it
 missing, empty or half-written. Such a read tries once more after a short pause (the

@@ -71,6 +71,8 @@ def _sensors(path: Path, temps: list[float], reasons: list[list[str]]) -> None:
             "utilization": 0.5,
             "sm_clock_mhz": 2520,
             "throttle_reasons": reasons[i],
+            # Cumulative, as NVML's counter: 300 W since some start.
+            "energy_j": 300.0 * time.monotonic(),
         }
         for i, t in enumerate(temps)
     ]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import os
 import time
 from collections.abc import AsyncIterator
@@ -22,6 +23,7 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
+from appliance.cli import main as cli_main
 from appliance.config import Config, parse_config
 from appliance.control import (
     ApplianceStatus,
@@ -407,3 +409,41 @@ async def test_the_status_document_names_the_cpu_engines_dtype(box: Box) -> None
     box.appliance._cpu_dtype = CpuDtype("float32", "no bf16 here")
     async with box.client.get("/admin/status", headers=box.auth(box.admin)) as resp:
         assert (await resp.json())["cpu_dtype"] == {"dtype": "float32", "reason": "no bf16 here"}
+
+
+async def test_gpu_energy_is_shared_among_keys_by_their_tokens_and_keys_usage_shows_it(
+    box: Box, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Energy per key (issue 37, item 4), the gateway's half: both engines on GPU 0 (so
+    routing does not matter), key a sends three requests and key b one of the same size;
+    the GPU's energy between two telemetry ticks is theirs 3:1, in /metrics as read, and
+    in ``keys usage --json`` as energy_wh once saved."""
+    gw = box.client.server.app[GATEWAY]
+    for i, e in enumerate(box.appliance._engines):
+        box.appliance._engines[i] = dataclasses.replace(e, gpu=0, gpus=(0,))
+    _, key_a = gw.keys.create("a", ["user"])
+    _, key_b = gw.keys.create("b", ["user"])
+
+    def tick(energy_j: float) -> None:
+        box.appliance._gpus = (GpuStatus(GpuReading(0, energy_j=energy_j)),)
+        gw.telemetry_read(box.appliance._gpus)
+
+    tick(1000.0)  # the first reading: where counting starts
+    for key in (key_a, key_a, key_a, key_b):
+        assert (await box.complete(key))[0] == 200
+    tick(1000.0 + 4 * 3600.0)  # 4 Wh since
+    async with box.client.get("/metrics", headers=box.auth(box.metrics)) as resp:
+        assert 'appliance_gpu_energy_joules_total{gpu="0"} 15400.0' in await resp.text()
+    gw.usage.save()
+    config = tmp_path / "config.toml"
+    config.write_text(f'[gateway]\nkeys_file = "{tmp_path / "keys.json"}"\n')
+    capsys.readouterr()
+    assert cli_main(["keys", "usage", "--config", str(config), "--json"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)["keys"]}
+    assert rows["a"]["total_tokens"] == 3 * rows["b"]["total_tokens"] > 0
+    assert rows["a"]["energy_wh"] == pytest.approx(3.0)
+    assert rows["b"]["energy_wh"] == pytest.approx(1.0)
+    assert cli_main(["keys", "usage", "--config", str(config)]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].split() == ["ID", "NAME", "PROMPT", "COMPLETION", "TOTAL", "ENERGY_WH"]
+    assert [line.split()[-1] for line in table[1:]] == ["3.000", "1.000"]

@@ -6,7 +6,7 @@ import asyncio
 import dataclasses
 
 from appliance.config import Config
-from appliance.control import EngineStatus, GatewayLink
+from appliance.control import EngineStatus, GatewayLink, GpuStatus, NoGateway
 from appliance.endpoint import EngineAddress
 from appliance.engine import EngineState
 from appliance.policy.thermal import HARD_LEVEL
@@ -44,7 +44,7 @@ async def test_a_reload_shortening_the_interval_applies_at_once() -> None:
     source = CountingSource()
     heat = HeatWatch(source, lambda: config)
     stop = False
-    link: GatewayLink = None  # type: ignore[assignment]  # no readings: never called
+    link: GatewayLink = NoGateway()
     task = asyncio.create_task(heat.run([], lambda: link, lambda: stop))
     await asyncio.wait_for(source.reached.wait(), 2)
     source.reached.clear()
@@ -126,3 +126,47 @@ def test_the_governor_is_the_one_thermal_governor_names() -> None:
     heat.govern([runner], link, now=2.0)  # type: ignore[list-item, arg-type]
     # predictive from the level in force (1), just taken: held, 77 + 1 is not below 75
     assert link.levels == {0: 1}
+
+
+class EnergySource:
+    """GPU 0's energy counter rising 100 J a read; the third read fails."""
+
+    def __init__(self) -> None:
+        self.reads = 0
+
+    def read(self) -> list[GpuReading]:
+        self.reads += 1
+        if self.reads == 3:
+            raise OSError("sensor source hiccup")
+        return [GpuReading(0, temperature_c=50.0, energy_j=100.0 * self.reads)]
+
+    def close(self) -> None:
+        pass
+
+
+class ReadingsLink(NoGateway):
+    def __init__(self) -> None:
+        self.seen: list[tuple[GpuStatus, ...]] = []
+        self.enough = asyncio.Event()
+
+    def telemetry_read(self, gpus: tuple[GpuStatus, ...]) -> None:
+        self.seen.append(gpus)
+        if len(self.seen) >= 3:
+            self.enough.set()
+
+
+async def test_each_reading_goes_to_the_gateway_once_and_a_failed_read_does_not() -> None:
+    """The gateway shares GPU energy among keys per telemetry tick (energy per key): it
+    gets every reading as read, and nothing for a read that failed (the next reading's
+    difference covers both intervals)."""
+    config = with_interval(Config(), 0.01)
+    heat = HeatWatch(EnergySource(), lambda: config)
+    link = ReadingsLink()
+    stop = False
+    task = asyncio.create_task(heat.run([], lambda: link, lambda: stop))
+    await asyncio.wait_for(link.enough.wait(), 5)
+    stop = True
+    heat.nudge()
+    await asyncio.wait_for(task, 2)
+    energies = [[g.reading.energy_j for g in gpus] for gpus in link.seen[:3]]
+    assert energies == [[100.0], [200.0], [400.0]]

@@ -129,8 +129,8 @@ def test_a_request_tried_on_two_engines_gets_its_charge_back_once(tmp_path: Path
     b = UsageBook(usage_path(tmp_path / "keys.json"), CollectorRegistry(), rl)
     client: dict[str, object] = {"key": SimpleNamespace(id="k", tpm=1000)}
     assert rl.check("k", None, 1000, 600) is None  # charged 600: 400 left
-    b.finish(try_of(client, None, stream_meter(Usage(10, 1))))  # the first engine: 11 used
-    b.finish(try_of(client, None, stream_meter(Usage(10, 30))))  # the retry: 40 used
+    b.finish(try_of(client, None, stream_meter(Usage(10, 1))), 0)  # the first engine: 11 used
+    b.finish(try_of(client, None, stream_meter(Usage(10, 30))), 0)  # the retry: 40 used
     assert b.counts.since(None) == {"k": (20, 31)}
     # 1000 - 600 + 600 - 11 - 40 = 949 left (and a few ms of refill); twice back: 1000
     assert rl.check("k", None, 1000, 990) is not None
@@ -152,7 +152,7 @@ def test_a_whole_answer_cut_off_is_charged_its_bounds(tmp_path: Path) -> None:
     b = UsageBook(usage_path(tmp_path / "keys.json"), CollectorRegistry(), rl)
     client: dict[str, object] = {"key": SimpleNamespace(id="k", tpm=100_000)}
     plan = chat_plan(False, n_bound=2 * 50)  # max_tokens 50, n 2
-    b.finish(try_of(client, plan, Metering()))  # no head came: cancelled while waiting
+    b.finish(try_of(client, plan, Metering()), 0)  # no head came: cancelled while waiting
     prompt, completion = b.counts.since(None)["k"]
     assert prompt >= 3000 + 2  # at least a token a word, the role's tokens
     assert prompt <= 4096  # never above the context
@@ -165,7 +165,7 @@ def test_a_stream_cut_before_its_usage_is_charged_the_bound_and_the_events(
     """Issue 20, item 3b: not the 1-per-4-characters estimate (~1,508 here)."""
     b = book(tmp_path)
     client: dict[str, object] = {"key": SimpleNamespace(id="k", tpm=None)}
-    b.finish(try_of(client, chat_plan(True, n_bound=50), stream_meter(None, events=8)))
+    b.finish(try_of(client, chat_plan(True, n_bound=50), stream_meter(None, events=8)), 0)
     assert b.counts.since(None) == {"k": (chat_plan(True).prompt_bound, 8)}
     # "a " is 2 bytes, each of which may be a token: 6,000 and more, capped by the context
     assert chat_plan(True).prompt_bound == 4096
@@ -183,14 +183,14 @@ def test_a_try_that_did_nothing_counts_nothing_and_gives_the_charge_back(
     b = UsageBook(usage_path(tmp_path / "keys.json"), CollectorRegistry(), rl)
     client: dict[str, object] = {"key": SimpleNamespace(id="k", tpm=1000)}
     assert rl.check("k", None, 1000, 600) is None
-    b.finish(try_of(client, chat_plan(False, 50), meter))
+    b.finish(try_of(client, chat_plan(False, 50), meter), 0)
     assert b.counts.since(None) == {}
     assert rl.check("k", None, 1000, 990) is None  # the 600 went back
 
 
 def test_a_request_without_a_key_is_not_counted(tmp_path: Path) -> None:
     b = book(tmp_path)
-    b.finish(try_of({}, chat_plan(False, 50), Metering()))
+    b.finish(try_of({}, chat_plan(False, 50), Metering()), 0)
     assert b.counts.since(None) == {}
 
 
@@ -202,8 +202,74 @@ def test_a_retry_after_a_failure_before_any_byte_is_charged_once(tmp_path: Path)
     b = UsageBook(usage_path(tmp_path / "keys.json"), CollectorRegistry(), rl)
     client: dict[str, object] = {"key": SimpleNamespace(id="k", tpm=1000)}
     assert rl.check("k", None, 1000, 600) is None  # charged 600: 400 left
-    b.finish(try_of(client, chat_plan(False, 50), Metering(failed=True)))
-    b.finish(try_of(client, chat_plan(False, 50), Metering(status=200, answer=Usage(30, 20))))
+    b.finish(try_of(client, chat_plan(False, 50), Metering(failed=True)), 0)
+    b.finish(try_of(client, chat_plan(False, 50), Metering(status=200, answer=Usage(30, 20))), 0)
     assert b.counts.since(None) == {"k": (30, 20)}
     assert rl.check("k", None, 1000, 960) is not None  # 950 left, not 1000 nor 350
     assert rl.check("k", None, 1000, 940) is None
+
+
+# ---- energy per key (issue 37, item 4) ------------------------------------------------------
+
+
+def test_energy_per_key_is_kept_with_the_tokens_across_a_save_and_load(tmp_path: Path) -> None:
+    b = book(tmp_path)
+    b.add("k1", 10, 5, now=T0)
+    b.energy_tick({0: 1000.0}, {0: (0,)}, (), now=T0)  # the first reading: a start only
+    b.finish(try_of({"key": SimpleNamespace(id="k1", tpm=None)}, None, answer(30, 10)), 0)
+    b.finish(try_of({"key": SimpleNamespace(id="k2", tpm=None)}, None, answer(5, 5)), 0)
+    b.energy_tick({0: 1500.0}, {0: (0,)}, (), now=T0)  # 500 J by 40:10 tokens
+    b.finish(try_of({"key": SimpleNamespace(id="k2", tpm=None)}, None, answer(1, 1)), 0)
+    b.energy_tick({0: 1700.0}, {0: (0,)}, (), now=T0 + 2 * HOUR_S)  # 200 J, k2's alone
+    b.save(now=T0 + 2 * HOUR_S)
+    again = book(tmp_path)
+    again.load()
+    assert again.counts.energy_since(None) == pytest.approx({"k1": 400.0, "k2": 300.0})
+    assert again.counts.energy_since(T0 + HOUR_S) == pytest.approx({"k2": 200.0})
+    assert again.counts.since(None) == {"k1": (40, 15), "k2": (6, 6)}
+    doc = json.loads(b.path.read_bytes())
+    assert doc["keys"]["k1"]["energy_j"] == 400.0
+    assert doc["keys"]["k1"]["energy_hours"] == {str(int(T0 // HOUR_S) * HOUR_S): 400.0}
+
+
+def answer(prompt: int, completion: int) -> Metering:
+    return Metering(status=200, answer=Usage(prompt, completion))
+
+
+def test_a_usage_file_from_before_energy_loads_with_no_energy(tmp_path: Path) -> None:
+    path = tmp_path / "usage.json"
+    path.write_bytes(
+        b'{"format":1,"saved_at":1.0,"keys":{"k1":{"prompt_tokens":3,"completion_tokens":4,'
+        b'"hours":{"1699999200":[3,4]}}}}'
+    )
+    b = book(tmp_path)
+    b.load()
+    assert path.exists()  # read as ours, not set aside
+    assert b.counts.since(None) == {"k1": (3, 4)}
+    assert b.counts.energy_since(None) == {}
+    b.add("k1", 1, 1, now=T0)
+    b.save(now=T0)
+    assert "energy_j" not in json.loads(path.read_bytes())["keys"]["k1"]  # none charged
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        b'"energy_j":-1',
+        b'"energy_j":"12"',
+        b'"energy_j":1,"energy_hours":[1]',
+        b'"energy_j":1,"energy_hours":{"x":1}',
+        b'"energy_j":1,"energy_hours":{"1699999200":-2}',
+    ],
+)
+def test_a_bad_energy_field_sets_the_file_aside(tmp_path: Path, entry: bytes) -> None:
+    path = tmp_path / "usage.json"
+    path.write_bytes(
+        b'{"format":1,"keys":{"k":{"prompt_tokens":1,"completion_tokens":1,"hours":{},'
+        + entry
+        + b"}}}"
+    )
+    b = book(tmp_path)
+    b.load()
+    assert not path.exists()
+    assert b.counts.energy_since(None) == {}

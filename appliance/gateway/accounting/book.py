@@ -7,6 +7,13 @@ secret): to ``appliance_key_tokens_total{key,kind}`` and to :class:`UsageBook`, 
 keeps per key the totals and hourly buckets (31 days of them, so ``keys usage --since``
 can answer for any window up to that, at an hour's grain).
 
+Energy per key (an estimate, :mod:`.energy`): each try's tokens are also counted per
+engine, and at every telemetry tick (:meth:`UsageBook.energy_tick`, which the supervisor's
+heat loop reaches through :meth:`appliance.control.GatewayLink.telemetry_read`) each GPU's
+energy since the last tick is shared among the keys by those tokens; the joules go into
+the same file, per key and per hour, beside the tokens. A file from before energy was
+counted has none, and reads as such.
+
 Where: ``usage.json`` beside the keys file (``gateway.keys_file``; by default the state
 directory), for the reasons audit.log is there: ``llm-appliance keys usage`` run by root
 or the service user finds it from the config alone. The daemon writes it atomically
@@ -30,8 +37,10 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
 import time
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -39,6 +48,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter
 
 from appliance.fsutil import SAFE_OPEN, FileWriteError, atomic_write
+from appliance.gateway.accounting.energy import EnergyMeter
 from appliance.gateway.accounting.plan import UsagePlan
 from appliance.gateway.accounting.stream_tap import Metering, charged
 from appliance.gateway.protocols.counts import is_count
@@ -69,11 +79,14 @@ def _hour(ts: float) -> int:
 
 
 class UsageCounts:
-    """Per key id: totals and hourly buckets of prompt and completion tokens."""
+    """Per key id: totals and hourly buckets of prompt and completion tokens, and of the
+    energy (joules) charged to it."""
 
     def __init__(self) -> None:
         self.totals: dict[str, list[int]] = {}
         self.hours: dict[str, dict[int, list[int]]] = {}
+        self.energy: dict[str, float] = {}
+        self.energy_hours: dict[str, dict[int, float]] = {}
 
     def add(self, key_id: str, prompt: int, completion: int, now: float) -> None:
         total = self.totals.setdefault(key_id, [0, 0])
@@ -82,6 +95,24 @@ class UsageCounts:
         bucket = self.hours.setdefault(key_id, {}).setdefault(_hour(now), [0, 0])
         bucket[0] += prompt
         bucket[1] += completion
+
+    def add_energy(self, key_id: str, joules: float, now: float) -> None:
+        self.energy[key_id] = self.energy.get(key_id, 0.0) + joules
+        hours = self.energy_hours.setdefault(key_id, {})
+        hour = _hour(now)
+        hours[hour] = hours.get(hour, 0.0) + joules
+
+    def energy_since(self, start: float | None) -> dict[str, float]:
+        """Joules per key id that was charged any, as :meth:`since` counts tokens."""
+        if start is None:
+            return dict(self.energy)
+        first = _hour(start)
+        out: dict[str, float] = {}
+        for key_id, hours in self.energy_hours.items():
+            window = [j for h, j in hours.items() if h >= first]
+            if window:
+                out[key_id] = sum(window)
+        return out
 
     def since(self, start: float | None) -> dict[str, tuple[int, int]]:
         """(prompt, completion) per key id: all time, or in the hours from the one holding
@@ -102,17 +133,26 @@ class UsageCounts:
         for hours in self.hours.values():
             for h in [h for h in hours if h < oldest]:
                 del hours[h]
+        for energy_hours in self.energy_hours.values():
+            for h in [h for h in energy_hours if h < oldest]:
+                del energy_hours[h]
 
     # ---- the file ----------------------------------------------------------------------
     def to_json(self, now: float) -> bytes:
-        keys = {
-            key_id: {
+        keys: dict[str, dict[str, Any]] = {}
+        for key_id in sorted(self.totals.keys() | self.energy.keys()):
+            total = self.totals.get(key_id, [0, 0])
+            entry: dict[str, Any] = {
                 "prompt_tokens": total[0],
                 "completion_tokens": total[1],
                 "hours": {str(h): v for h, v in sorted(self.hours.get(key_id, {}).items())},
             }
-            for key_id, total in sorted(self.totals.items())
-        }
+            if key_id in self.energy:  # fields of their own: an older reader ignores them
+                entry["energy_j"] = round(self.energy[key_id], 3)
+                entry["energy_hours"] = {
+                    str(h): round(j, 3) for h, j in sorted(self.energy_hours[key_id].items())
+                }
+            keys[key_id] = entry
         doc = {"format": FORMAT, "saved_at": round(now, 3), "keys": keys}
         return json.dumps(doc, separators=(",", ":")).encode() + b"\n"
 
@@ -138,7 +178,26 @@ class UsageCounts:
                 counts.hours[key_id] = {int(h): _counts(v, key_id) for h, v in hours.items()}
             except ValueError:
                 raise UsageFileError(f"key {key_id}: an hour is not a number") from None
+            if "energy_j" in entry:  # absent: counted before energy was (or never any)
+                _energy_of(counts, key_id, entry)
         return counts
+
+
+def _joules(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+
+
+def _energy_of(counts: UsageCounts, key_id: str, entry: dict[str, Any]) -> None:
+    total, hours = entry["energy_j"], entry.get("energy_hours", {})
+    if not _joules(total):
+        raise UsageFileError(f"key {key_id}: energy_j is not a number of joules")
+    if not isinstance(hours, dict) or not all(_joules(j) for j in hours.values()):
+        raise UsageFileError(f"key {key_id}: 'energy_hours' is not an object of joules")
+    try:
+        counts.energy_hours[key_id] = {int(h): float(j) for h, j in hours.items()}
+    except ValueError:
+        raise UsageFileError(f"key {key_id}: an energy hour is not a number") from None
+    counts.energy[key_id] = float(total)
 
 
 def _pair(entry: Any, key_id: str) -> list[int]:
@@ -217,6 +276,7 @@ class UsageBook:
             f"(every {SAVE_INTERVAL_S:.0f} s)",
         )
         self._task: asyncio.Task[None] | None = None
+        self.energy = EnergyMeter()  # tokens per engine since the last telemetry tick
         self._children: dict[str, tuple[Any, Any]] = {}
         self.tokens = Counter(
             "appliance_key_tokens",
@@ -241,6 +301,23 @@ class UsageBook:
             children[0].inc(prompt)
         if completion > 0:
             children[1].inc(completion)
+
+    def energy_tick(
+        self,
+        readings: Mapping[int, float | None],
+        gpus_of: Mapping[int, Collection[int]],
+        busy: Collection[int],
+        now: float | None = None,
+    ) -> None:
+        """A telemetry tick: each GPU's energy reading (None: unknown), each engine's GPUs,
+        the engines with requests in flight; the energy since the last tick is charged to
+        the keys that used those GPUs (:mod:`.energy`)."""
+        charged = self.energy.tick(readings, gpus_of, busy)
+        when = time.time() if now is None else now
+        for key_id, joules in charged.items():
+            if joules > 0:
+                self.counts.add_energy(key_id, joules, when)
+                self.dirty = True
 
     def load(self) -> None:
         """The counts kept by the last run; a corrupt file is renamed aside (logged)."""
@@ -298,16 +375,18 @@ class UsageBook:
             self.writes.succeeded()
 
     # ---- the end of a request ----------------------------------------------------------
-    def finish(self, call: FinishedTry) -> None:
-        """One try on one engine ended, however it ended (relay/handlers.py calls this from
-        the try's one ``finally``): count what it used for its key (:func:`charged`: the
-        engine's own count, or a bound never below what the engine did), and debit the
-        key's tpm bucket with that instead of the admission charge."""
+    def finish(self, call: FinishedTry, engine_id: int) -> None:
+        """One try on engine ``engine_id`` ended, however it ended (relay/handlers.py calls
+        this from the try's one ``finally``): count what it used for its key (:func:`charged`:
+        the engine's own count, or a bound never below what the engine did), there too
+        for the energy split, and debit the key's tpm bucket with that instead of the
+        admission charge."""
         record = call.client.get("key")
         if record is None:
             return
         usage = charged(call.meter, call.parsed.usage)
         self.add(record.id, usage.prompt, usage.completion)
+        self.energy.count(engine_id, record.id, usage.prompt + usage.completion)
         # The charge goes back once per request: a second engine's try (a retry after the
         # first failed before the client saw a byte, which counts nothing) debits what it
         # used, and is not given the charge back again.

@@ -318,6 +318,12 @@ def _gpus(status: ApplianceStatus) -> Iterator[Metric]:
         "1 for each clock event (throttle) reason now active",
         labels=["gpu", "reason"],
     )
+    energy = CounterMetricFamily(
+        "appliance_gpu_energy_joules",
+        "GPU energy used since its driver loaded (NVML's total energy counter, or the "
+        "sensors file's energy_j), as read; a driver reload resets it",
+        labels=["gpu"],
+    )
     level = GaugeMetricFamily(
         "appliance_throttle_level",
         "Thermal throttle level (0 = none, 4 = admit nothing new)",
@@ -329,7 +335,9 @@ def _gpus(status: ApplianceStatus) -> Iterator[Metric]:
             value = getattr(g.reading, field)
             if value is not None:
                 fam.add_metric([idx], float(value))
+        if g.reading.energy_j is not None:
+            energy.add_metric([idx], g.reading.energy_j)
         for reason in g.reading.throttle_reasons:
             slow.add_metric([idx, reason], 1.0)
         level.add_metric([idx], g.throttle_level)
-    yield from (*(f for f, _ in sensors), slow, level)
+    yield from (*(f for f, _ in sensors), energy, slow, level)

@@ -69,6 +69,7 @@ def _gpu_json(g: GpuStatus) -> dict[str, Any]:
         "memory_total_bytes": r.memory_total_bytes,
         "utilization": r.utilization,
         "sm_clock_mhz": r.sm_clock_mhz,
+        "energy_j": r.energy_j,
         "throttle_reasons": list(r.throttle_reasons),
         "throttle_level": g.throttle_level,
     }
