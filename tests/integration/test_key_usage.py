@@ -32,7 +32,13 @@ import psutil
 import pytest
 
 from appliance.gateway.wire.http1 import scan_chunks
-from tests.fakes.appliance_proc import REPO, Appliance, fake_engine_config, run_appliance
+from tests.fakes.appliance_proc import (
+    REPO,
+    Appliance,
+    fake_engine_config,
+    run_appliance,
+    write_config,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -224,6 +230,7 @@ def test_counts_per_key_from_the_engine_survive_a_restart(tmp_path: Path) -> Non
             "prompt_tokens": 3 * prompt,
             "completion_tokens": 15,
             "total_tokens": 3 * prompt + 15,
+            "energy_wh": None,  # telemetry "none": no energy known, which is not 0
         }
     ]
     ctx2 = start(tmp_path)  # same state directory: the counts go on from there
@@ -384,3 +391,79 @@ def test_an_engine_writing_json_with_spaces_is_counted_exactly_and_stripped(
     app.wait_for(lambda: tokens_of(app, kid, "completion") > 0, 10, "the stream counted")
     assert tokens_of(app, kid, "prompt") == 2 + 4 + 2  # "hi there", as the engine said
     assert tokens_of(app, kid, "completion") == 5
+
+
+# ---- energy per key (issue 37, item 4) ------------------------------------------------------
+
+
+def write_sensors(path: Path, temperature_c: float, energy_j: float) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(
+        json.dumps({"gpus": [{"index": 0, "temperature_c": temperature_c, "energy_j": energy_j}]})
+    )
+    tmp.replace(path)
+
+
+def new_key(app: Appliance, name: str) -> str:
+    port = int(app.config["gateway"]["port"])
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    conn.request(
+        "POST",
+        "/admin/keys",
+        json.dumps({"name": name}),
+        {"Authorization": f"Bearer {admin_key(app.log_path.parent)}"},
+    )
+    resp = conn.getresponse()
+    body = json.loads(resp.read())
+    conn.close()
+    assert resp.status == 201, body
+    return str(body["key"])
+
+
+def test_gpu_energy_is_shared_among_keys_by_their_tokens(tmp_path: Path) -> None:
+    """The `file:` source's cumulative energy_j, a daemon with one fake engine (telemetry
+    entry 0), two keys sending the same request 3:1. Readings are taken at the telemetry
+    ticks the test chooses (an hour apart, and one more at each reload that changes
+    telemetry.interval_s), so the requests all fall between two of them: the 4 Wh the
+    "GPU" used in between are the keys' 3 Wh and 1 Wh, in ``keys usage --json`` (kept
+    across the stop) and the counter in /metrics as read."""
+    sensors = tmp_path / "sensors.json"
+    write_sensors(sensors, 40, 1000.0)
+    cfg = fake_engine_config(
+        tmp_path,
+        1,
+        health={"interval_s": 2.0, "failures_to_restart": 100},
+        telemetry={"source": f"file:{sensors}", "interval_s": 3600},
+    )
+
+    def tick(temperature_c: float, energy_j: float, interval_s: float) -> None:
+        """A reading now: a reload that changes the interval reads at once; the new
+        temperature says when it was taken."""
+        write_sensors(sensors, temperature_c, energy_j)
+        cfg["telemetry"]["interval_s"] = interval_s
+        write_config(tmp_path / "config.toml", cfg)
+        app.signal(signal.SIGHUP)
+        app.wait_for(
+            lambda: (
+                f'appliance_gpu_temperature_celsius{{gpu="0"}} {temperature_c:.1f}' in metrics(app)
+            ),
+            10,
+            f"the reading at {temperature_c} C",
+        )
+
+    with run_appliance(tmp_path, cfg) as app:
+        app.wait_all_ready()
+        app.engine_control(0, token_delay_ms=0)
+        model = served_model(app)
+        key_a, key_b = new_key(app, "a"), new_key(app, "b")
+        tick(41, 1000.0, 3599)  # the count starts here
+        for key in (key_a, key_a, key_a, key_b):
+            assert raw_post(app, key, chat(model))[0] == 200
+        tick(42, 1000.0 + 4 * 3600.0, 3600)  # 4 Wh since
+        assert 'appliance_gpu_energy_joules_total{gpu="0"} 15400.0' in metrics(app)
+        app.signal(signal.SIGTERM)
+        assert app.wait_exit(30) == 0
+    rows = {r["name"]: r for r in keys_usage(tmp_path)["keys"]}
+    assert rows["a"]["total_tokens"] == 3 * rows["b"]["total_tokens"] > 0
+    assert rows["a"]["energy_wh"] == pytest.approx(3.0)
+    assert rows["b"]["energy_wh"] == pytest.approx(1.0)
