@@ -71,9 +71,13 @@ def split_energy(
     per_key: dict[str, float] = {}
     held_now: dict[int, float] = {}
     idle = 0.0
+    on_gpu: dict[int, list[int]] = {}  # GPU -> the engines using it
+    for engine, gpus in gpus_of.items():
+        for g in gpus:
+            on_gpu.setdefault(g, []).append(engine)
     for gpu in sorted(set(deltas) | set(held)):
         energy = deltas.get(gpu, 0.0) + held.get(gpu, 0.0)
-        engines = [e for e, gpus in gpus_of.items() if gpu in gpus]
+        engines = on_gpu.get(gpu, [])
         shares: dict[str, int] = {}
         for engine in engines:
             for key_id, n in tokens.get(engine, {}).items():
