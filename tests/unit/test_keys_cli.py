@@ -410,3 +410,40 @@ def test_models_are_printable_names(run: Run) -> None:
         code, out, err = run("keys", "create", "--name", "a", "--model", bad)
         assert code == 2 and out == "", (bad, err)
         assert "models: each model must be a non-empty printable name" in err
+
+
+def test_usage_shows_each_keys_energy_and_a_dash_where_none_is_known(
+    run: Run, keys_path: Path
+) -> None:
+    """energy_wh is the key's estimated share of its GPUs' energy (accounting/energy.py);
+    a key never charged any (no energy telemetry) shows "-" and null: unknown, not 0."""
+    keys_path.parent.mkdir(parents=True)
+    (keys_path.parent / "usage.json").write_text(
+        json.dumps(
+            {
+                "format": 1,
+                "keys": {
+                    "k1": {
+                        "prompt_tokens": 10,
+                        "completion_tokens": 90,
+                        "hours": {},
+                        "energy_j": 9000.0,
+                        "energy_hours": {},
+                    },
+                    "k2": {"prompt_tokens": 5, "completion_tokens": 5, "hours": {}},
+                },
+            }
+        )
+    )
+    code, out, _ = run("keys", "usage")
+    assert code == 0
+    assert [line.split() for line in out.splitlines()] == [
+        ["ID", "NAME", "PROMPT", "COMPLETION", "TOTAL", "ENERGY_WH"],
+        ["k1", "(revoked)", "10", "90", "100", "2.500"],
+        ["k2", "(revoked)", "5", "5", "10", "-"],
+    ]
+    code, out, _ = run("keys", "usage", "--json")
+    assert [(r["id"], r["energy_wh"]) for r in json.loads(out)["keys"]] == [
+        ("k1", 2.5),
+        ("k2", None),
+    ]
