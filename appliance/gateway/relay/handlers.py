@@ -42,6 +42,7 @@ import collections
 import dataclasses
 import logging
 import time
+from collections.abc import Coroutine
 from typing import Any
 
 from aiohttp import web
@@ -168,10 +169,22 @@ class Relay:
         return handle
 
     async def _handle(self, request: web.Request, route: str, path: str) -> web.StreamResponse:
-        # Open until it ends: its key's revocation ends it (open_requests.py).
+        return await self._while_open(request, self._handle_open(request, route, path))
+
+    async def stored_response(self, request: web.Request) -> web.StreamResponse:
+        """``GET /v1/responses/{id}`` (and ``?stream=true``) and its cancel
+        (:meth:`PinnedRelay.stored_response`): open requests like the others, so a
+        revoked key's retrieve waiting for its engine gets 401 and its replay is cut."""
+        return await self._while_open(request, self.pinned.stored_response(request))
+
+    async def _while_open(
+        self, request: web.Request, work: Coroutine[Any, Any, web.StreamResponse]
+    ) -> web.StreamResponse:
+        """``work`` (the handler's), open until it ends: its key's revocation ends it
+        (open_requests.py)."""
         entry = self.open.add(request)
         try:
-            return await self._handle_open(request, route, path)
+            return await work
         except asyncio.CancelledError:
             refused = self.open.refusal(entry)
             if refused is not None:
