@@ -239,10 +239,17 @@ class AdapterResult:
 class ModelDoor(Protocol):
     """Models on demand, as the gateway asks for them (implemented by the supervisor)."""
 
-    def use_model(self, name: str) -> bool:
-        """A request for ``name`` (canonical) arrived: mark it used, and when it is an
-        on-demand model not loaded, ask for its load. True: loaded (no wait for a load).
-        Called per request: cheap."""
+    def want_model(self, name: str) -> bool:
+        """A request for ``name`` (canonical, an on-demand model) passed every check: when
+        the model is not loaded, ask for its load. True: loaded (no wait for a load).
+        Marks nothing: only :meth:`model_used` does."""
+        ...
+
+    def model_used(self, name: str) -> None:
+        """A request for ``name`` (canonical) was admitted to one of its engines: mark it
+        used (its idle unload and the swap's least recently used count from here). A
+        refused request (503 no_engine, queue_full, queue_timeout, ...) never comes here,
+        so a flood of refusals does not keep a model "recently used". Per request: cheap."""
         ...
 
     def models(self) -> tuple[ModelStatus, ...]: ...
@@ -261,8 +268,11 @@ class ModelDoor(Protocol):
 class NoModels:
     """The door for an appliance without models on demand (unit tests' fakes)."""
 
-    def use_model(self, name: str) -> bool:
+    def want_model(self, name: str) -> bool:
         return True
+
+    def model_used(self, name: str) -> None:
+        pass
 
     def models(self) -> tuple[ModelStatus, ...]:
         return ()

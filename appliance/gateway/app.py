@@ -216,8 +216,8 @@ def create_app(appliance: Appliance, audit: AuditLog | None = None) -> web.Appli
     for route in ALL_ROUTES:  # every protocol's routes (protocols/), and no others
         for path in route.client_paths:
             r.add_post(path, gw.relay.handler_for(route))
-    r.add_get("/v1/responses/{response_id}", gw.relay.pinned.stored_response)
-    r.add_post("/v1/responses/{response_id}/cancel", gw.relay.pinned.stored_response)
+    r.add_get("/v1/responses/{response_id}", gw.relay.stored_response)
+    r.add_post("/v1/responses/{response_id}/cancel", gw.relay.stored_response)
     Admin(
         appliance,
         gw.admission,

@@ -168,8 +168,12 @@ class Supervisor:
         return await done if taken.ok else taken
 
     # ---- models on demand (appliance.control.ModelDoor) --------------------------------
-    def use_model(self, name: str) -> bool:
-        return self._models.use_model(name) if self._models else True
+    def want_model(self, name: str) -> bool:
+        return self._models.want_model(name) if self._models else True
+
+    def model_used(self, name: str) -> None:
+        if self._models:
+            self._models.model_used(name)
 
     def models(self) -> tuple[ModelStatus, ...]:
         return self._models.models() if self._models else ()

@@ -2,7 +2,7 @@
 
 ::
 
-    gateway: use_model / load_model / unload_model ──► ModelsOnDemand (this task)
+    gateway: want_model / model_used / load_model / unload_model ──► ModelsOnDemand (this task)
         every TICK_S, or at once when asked:  runners' states ─► model states
                                               policy.swap.decide(slot) ─► actions
         load:   Unpark ──► each engine's runner starts (or wakes) it
@@ -79,22 +79,29 @@ class ModelsOnDemand:
         self._asked = asyncio.Event()
 
     # ---- the gateway's door (appliance.control.ModelDoor) -------------------------------
-    def use_model(self, name: str) -> bool:
+    def want_model(self, name: str) -> bool:
         """Called by the gateway for a request that passed every check. The model is
         wanted while such a request waits in the gateway's queue for it
         (:meth:`_wanted_since`), not from here: a request that leaves (its client gone,
-        its wait over) stops wanting it, and one refused never wanted it. This only marks
-        the use and wakes the task, which finds the request queued by then (the gateway
-        queues it without yielding in between; else the next tick does)."""
+        its wait over) stops wanting it, and one refused never wanted it. This only wakes
+        the task, which finds the request queued by then (the gateway queues it without
+        yielding in between; else the next tick does)."""
         m = self._models.get(name)
-        if m is None:
-            return True
-        m.last_used, m.used_wall = time.monotonic(), time.time()
-        if m.state is ModelState.LOADED:
+        if m is None or m.state is ModelState.LOADED:
             return True
         if not self._failed(m):  # FAILED: nothing to load until an admin restarts one
             self._asked.set()
         return False
+
+    def model_used(self, name: str) -> None:
+        """A request was admitted to one of the model's engines: its use, from which its
+        idle unload and the swap's least recently used count. Not at its arrival: a
+        request refused after it (every engine drained or FAILED, the box too hot, the
+        queue full or its wait over) did not use the model, and a flood of refusals kept
+        an idle model from being put away (issue 33's review)."""
+        m = self._models.get(name)
+        if m is not None:
+            m.last_used, m.used_wall = time.monotonic(), time.time()
 
     def models(self) -> tuple[ModelStatus, ...]:
         return tuple(self._status(m) for m in self._models.values())
@@ -244,7 +251,10 @@ class ModelsOnDemand:
     def _loaded(self, m: _Model, now: float) -> None:
         took = now - (m.load_began or now)
         self._move(m, ModelState.LOADED)
-        m.loaded_at, m.waiting_since = now, None
+        # Its load counts as a use (ModelSnap.last_used): the request that asked for it is
+        # admitted only now (model_used), and one that left meanwhile must not leave a
+        # model "idle" since its previous use, put away as soon as it is up.
+        m.loaded_at, m.waiting_since, m.last_used = now, None, now
         m.loads[m.how] = m.loads.get(m.how, 0) + 1
         m.buckets[bisect.bisect_left(LOAD_BUCKETS, took)] += 1
         m.seconds += took

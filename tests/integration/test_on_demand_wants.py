@@ -8,6 +8,9 @@ swap. A model is wanted only by a request that passed every check and still wait
 - a request for "b" whose client leaves before the swap: "b" is not loaded after it left;
 - a load a request starts is counted to its key (``appliance_key_model_loads_total``).
 
+A request refused with 503 did not use its model: a flood of refusals does not keep it
+from its idle unload.
+
 Then, with ``swap = "sleep"`` on a fake GPU: a model asleep for its ``idle_unload_s`` is
 unloaded fully (its engine stopped), so its weights do not stay in host RAM for good.
 """
@@ -173,3 +176,56 @@ def test_a_model_asleep_for_its_idle_unload_s_is_unloaded_fully(asleep: Box) -> 
     assert asleep.state("b") == "loaded"
     # Wanted again: a cold load, answered.
     assert asleep.chat("a")[0] == 200
+
+
+IDLE_S = 3.0
+
+
+@pytest.fixture(scope="module")
+def idle(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Box]:
+    """One on-demand model put away after ``IDLE_S`` without a use."""
+    tmp = tmp_path_factory.mktemp("on_demand_idle")
+    cfg: dict[str, Any] = fake_engine_config(tmp, 1, health=STEADY_HEALTH)
+    cfg["models"] = [
+        {"name": "c", "load": "on_demand", "idle_unload_s": IDLE_S, "min_residency_s": 0}
+    ]
+    with run_appliance(tmp, cfg) as app:
+        app.wait_for(lambda: (tmp / "admin.key").exists(), 60, "the first admin key")
+        app.wait_for(lambda: get_json(app.url + "/readyz")[0] == 200, 60, "the daemon started")
+        yield Box(app, (tmp / "admin.key").read_text().strip())
+
+
+def test_refused_requests_do_not_keep_a_model_in_use(idle: Box) -> None:
+    """A request refused with 503 did not use its model: a flood of them (here: its only
+    engine drained, so each is refused at once) neither moves the model's ``last_used``
+    nor keeps it from its idle unload (before: every refusal marked it used, and it
+    stayed loaded for as long as the refusals came)."""
+    code, body = idle.chat("c")  # loads it; its one use
+    assert code == 200, body
+
+    def model() -> dict[str, Any]:
+        code, doc = call_json(idle.app.url, idle.key, "GET", "/admin/status", timeout=5)
+        assert code == 200, doc
+        return dict({m["name"]: m for m in doc["models"]}["c"])
+
+    used = model()["last_used"]
+    code, doc = call_json(idle.app.url, idle.key, "GET", "/admin/status", timeout=5)
+    (eid,) = [e["id"] for e in doc["engines"] if e["model"] == "c"]
+    code, body = call_json(idle.app.url, idle.key, "POST", f"/admin/engines/{eid}/drain?force=true")
+    assert code == 200, body
+
+    put_away = "model c: draining, then stopped: idle for"
+
+    def refused_until_put_away() -> bool:
+        if put_away in idle.app.log():
+            return True
+        code, body = idle.chat("c")
+        if code == 200:  # came just after the put-away: it loaded "c" again
+            assert put_away in idle.app.log(), body
+            return True
+        assert code == 503 and body["error"]["code"] == "no_engine", body
+        assert model()["last_used"] == used  # refused: not a use
+        return False
+
+    # Refused again and again (several a second) until it is put away for idleness.
+    idle.app.wait_for(refused_until_put_away, IDLE_S + 20, "c put away while refusals came")

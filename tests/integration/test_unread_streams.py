@@ -6,7 +6,8 @@
   paths: the splice (HTTP/1.1) and aiohttp's client (HTTP/1.0).
 - A revoked key's open requests end at the revocation (the admin API's, or `keys revoke`
   picked up by the watcher's reload): its stream under way is cut, its queued request
-  gets 401, the engine's slot is free at once.
+  gets 401 (a retrieve or cancel of its stored response as well), the engine's slot is
+  free at once.
 - A key with ``max_inflight`` 1 runs one request at a time; the next one waits (it is not
   refused) while another key's request goes past it to the free slot.
 
@@ -172,6 +173,38 @@ def test_a_revoked_keys_open_requests_end_at_the_revocation(tmp_path: Path) -> N
             c.app.wait_for(lambda: c.inflight() == 0, 10, "nothing in flight")
             c.app.engine_control(0, token_delay_ms=0)
             assert c.chat(max_tokens=1, timeout=20)[0] == 200
+        finally:
+            stream.close()
+
+
+def test_a_revoked_keys_queued_stored_response_reads_get_401(tmp_path: Path) -> None:
+    """A retrieve (plain and ``?stream=true``) and a cancel of the key's stored response,
+    queued behind its stream, end at the revocation too: they are open requests like the
+    others (before: they were not in the table, and ran once the stream was cut)."""
+    with daemon(tmp_path) as c, concurrent.futures.ThreadPoolExecutor(3) as pool:
+        user, key_id = c.new_key()
+        body = {"model": c.model, "input": "hi", "max_output_tokens": 1}
+        status, made = call_json(c.url, user, "POST", "/v1/responses", body)
+        assert status == 200, made
+        rid = made["id"]
+        c.app.engine_control(0, token_delay_ms=20)  # 4000 tokens: 80 s
+        stream = c.send_stream(user, max_tokens=4000)
+        try:
+            first_event(stream)
+            reads = [
+                ("GET", f"/v1/responses/{rid}"),
+                ("GET", f"/v1/responses/{rid}?stream=true"),
+                ("POST", f"/v1/responses/{rid}/cancel"),
+            ]
+            queued = [pool.submit(call_json, c.url, user, m, p, None, 60.0) for m, p in reads]
+            c.app.wait_for(lambda: c.status()["queue_depth"] == 3, 10, "its reads queued")
+            status, doc = call_json(c.url, c.key, "DELETE", f"/admin/keys/{key_id}")
+            assert status == 200, doc
+            for (_, path), future in zip(reads, queued, strict=True):
+                status, got = future.result(timeout=20)
+                assert status == 401, (path, got)
+                assert got["error"]["message"] == "this API key was revoked", (path, got)
+            c.app.wait_for(lambda: c.inflight() == 0, 10, "nothing in flight")
         finally:
             stream.close()
 

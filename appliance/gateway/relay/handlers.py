@@ -42,6 +42,7 @@ import collections
 import dataclasses
 import logging
 import time
+from collections.abc import Coroutine
 from typing import Any
 
 from aiohttp import web
@@ -168,10 +169,22 @@ class Relay:
         return handle
 
     async def _handle(self, request: web.Request, route: str, path: str) -> web.StreamResponse:
-        # Open until it ends: its key's revocation ends it (open_requests.py).
+        return await self._while_open(request, self._handle_open(request, route, path))
+
+    async def stored_response(self, request: web.Request) -> web.StreamResponse:
+        """``GET /v1/responses/{id}`` (and ``?stream=true``) and its cancel
+        (:meth:`PinnedRelay.stored_response`): open requests like the others, so a
+        revoked key's retrieve waiting for its engine gets 401 and its replay is cut."""
+        return await self._while_open(request, self.pinned.stored_response(request))
+
+    async def _while_open(
+        self, request: web.Request, work: Coroutine[Any, Any, web.StreamResponse]
+    ) -> web.StreamResponse:
+        """``work`` (the handler's), open until it ends: its key's revocation ends it
+        (open_requests.py)."""
         entry = self.open.add(request)
         try:
-            return await self._handle_open(request, route, path)
+            return await work
         except asyncio.CancelledError:
             refused = self.open.refusal(entry)
             if refused is not None:
@@ -197,7 +210,7 @@ class Relay:
         self._check_rate(record, parsed.cost)
         # Only a request that passed every check may make an on-demand model load: a
         # refused one (400, 429) never does (issue 33 item 3).
-        self._use_model(request, parsed.model)
+        self._want_model(request, parsed.model)
         batch = record.priority == "batch"
         if pinned is not None:
             return await self.pinned.relay(request, path, parsed, started, batch, pinned)
@@ -205,18 +218,19 @@ class Relay:
             return await self._relay_with_failover(request, path, parsed, started, batch, fallback)
         return await self._relay_with_failover(request, path, parsed, started, batch)
 
-    def _use_model(self, request: web.Request, model: str) -> None:
-        """Mark the model used (for its idle unload); an on-demand model not loaded is
-        then wanted for as long as this request waits in the queue for it, and no longer
-        (models_on_demand.py reads the queue). A request for an on-demand model waits up
-        to its load_timeout_s while the model is not serving, loaded or not when the
-        request came: it may be put away for another model of its slot while the request
-        waits (Admission.acquire). A load this request starts is counted to its key."""
-        door = self._model_door
-        loaded = door.use_model(model)
+    def _want_model(self, request: web.Request, model: str) -> None:
+        """An on-demand model not loaded is wanted for as long as this request waits in
+        the queue for it, and no longer (models_on_demand.py reads the queue). A request
+        for an on-demand model waits up to its load_timeout_s while the model is not
+        serving, loaded or not when the request came: it may be put away for another
+        model of its slot while the request waits (Admission.acquire). A load this
+        request starts is counted to its key. The model is marked used only once the
+        request is admitted (:meth:`_relay`): a refused one did not use it."""
         served = self._appliance.config.model(model)
         if served is None or not served.on_demand:
             return
+        door = self._model_door
+        loaded = door.want_model(model)
         request[LOAD_WAIT] = {model: served.load_timeout_s}  # loaded now or not (above)
         if loaded or self._admission.queued_since(model) is not None:
             return  # somebody already waits for it: theirs is the load
@@ -235,7 +249,7 @@ class Relay:
         served, sent = resolve_named(config, opened.model, route, self._model_door.adapter_names())
         name = served.name  # whose engines serve it (an adapter's: its base model's)
         # A key limited to models: refused here, before anything else is done for the
-        # request, so a refused one never makes an on-demand model load (_use_model).
+        # request, so a refused one never makes an on-demand model load (_want_model).
         allowed = request["key"].models
         check_key_allows(config, allowed, served, sent, opened.model)
         if sent != name:  # an adapter: its removal waits for this request (adapter_work)
@@ -443,6 +457,9 @@ class Relay:
         """The response sent, or why the engine failed before its first byte."""
         if KEY_REVOKED in request:
             raise revoked()  # its slot came as its key was revoked (open_requests.py)
+        # Admitted: the model (a fallback's, when it serves) is used; a request refused
+        # before this (503, 401) never marks it (ModelDoor.model_used).
+        self._model_door.model_used(parsed.model)
         snap = self._appliance.engine(engine_id)
         headers = {"Authorization": f"Bearer {snap.api_key}", "Content-Type": "application/json"}
         if parsed.priority_header is not None:  # Messages: vLLM reads it from a header

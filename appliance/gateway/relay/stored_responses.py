@@ -21,7 +21,10 @@ its share forgets its own least recently made or used first, so one key cannot p
 every other key's responses out of the map (issue 33 item 8). It lives in the daemon's
 memory: a daemon restart restarts the engines too, so nothing it forgets
 could still be read. vLLM's own store is unbounded (``VLLM_ENABLE_RESPONSES_API_STORE``
-warns of it); a response this map forgot stays in the engine's memory until it restarts.
+warns of it) and vLLM 0.32 has no route to delete from it (create, retrieve, cancel
+only; a cancel removes nothing): a response this map forgot stays in the engine's memory
+until it restarts (docs/security.md says what bounds it: ``responses_store = false``,
+the key's tpm, an engine restart).
 """
 
 from __future__ import annotations
