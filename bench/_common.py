@@ -328,9 +328,13 @@ def completion_body(max_tokens: int, stream: bool, prompt: str = "hello there") 
     ).encode()
 
 
-def client_session(address: EngineAddress | None = None) -> aiohttp.ClientSession:
+def client_session(
+    address: EngineAddress | None = None, total_s: float = 120.0
+) -> aiohttp.ClientSession:
     """A client session over TCP (the gateway), or one that reaches the engine at
-    ``address`` however it listens (a Unix socket: every request goes to that socket)."""
+    ``address`` however it listens (a Unix socket: every request goes to that socket).
+    ``total_s``: the longest one request may take (a queued stream on a slow CPU engine
+    can take minutes)."""
     # limit=0: aiohttp's default of 100 connections would queue streams beyond 100.
     # A TCP engine is the benchmark's own, measured directly: no owner to check it with.
     connector = (
@@ -340,7 +344,7 @@ def client_session(address: EngineAddress | None = None) -> aiohttp.ClientSessio
     )
     return aiohttp.ClientSession(
         connector=connector,
-        timeout=aiohttp.ClientTimeout(total=120, sock_connect=10),
+        timeout=aiohttp.ClientTimeout(total=total_s, sock_connect=10),
         trust_env=False,
         auto_decompress=False,
     )
