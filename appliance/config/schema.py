@@ -319,9 +319,10 @@ class EngineConfig:
         "priority",
         "How the engine orders the requests it holds (vLLM `--scheduling-policy`). "
         "`priority`: each request the gateway sends carries a `priority` (0 for an "
-        "`interactive` key, 10 for a `batch` key; lower is served first), so a batch "
-        "flood already inside the engine does not hold back an interactive request, and "
-        "a client's own `priority` is replaced. `fcfs`: vLLM's first-come first-served; "
+        "`interactive` key, 10 for a `batch` key; lower is served first), so an interactive "
+        "request takes the next place that frees in the engine's running batch, ahead of "
+        "a batch flood waiting inside it (vLLM does not push a running request out for "
+        "it), and a client's own `priority` is replaced. `fcfs`: vLLM's first-come first-served; "
         "no priority is sent and a client's own is removed. An extra_args entry that sets "
         "--scheduling-policy, or a custom `command`, decides the engine's flag.",
     )
