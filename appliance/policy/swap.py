@@ -134,7 +134,10 @@ def decide(slot: Sequence[ModelSnap], now: float) -> list[Action]:
     ready = [m for m in holders if now - (m.loaded_at or now) >= m.min_residency_s]
     if not ready:
         return []  # the minimum residency damps swap storms: the wanted model waits
-    victim = min(ready, key=lambda m: m.last_used)
+    # Least recently used, but never one that requests wait for while an idle one is
+    # there: a holder whose requests queue unadmitted (its engine restarting, hot, full)
+    # has a stale last_used (it moves on admission), not a lack of use.
+    victim = min(ready, key=lambda m: (m.waiting_since is not None, m.last_used))
     idle_s = now - victim.last_used
     return [
         Action(

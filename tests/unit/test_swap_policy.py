@@ -156,6 +156,18 @@ def test_the_least_recently_used_holder_goes() -> None:
     assert "to make room for a" in action.why and "least recently used" in action.why
 
 
+def test_a_holder_that_requests_wait_for_goes_after_an_idle_one() -> None:
+    # a's requests queue without being admitted (its engine restarting, hot or full): its
+    # last admission is older than idle b's, yet b is the one that makes room.
+    slot = [
+        snap("a", S.LOADED, last_used=NOW - 200, waiting_since=NOW - 100),
+        snap("b", S.LOADED, last_used=NOW - 50),
+        snap("c", waiting_since=NOW - 10),
+    ]
+    [action] = decide(slot, NOW)
+    assert action == Action("drain", "b", action.why)
+
+
 MOVES = {
     (S.UNLOADED, S.LOADING),
     (S.LOADING, S.LOADED),
