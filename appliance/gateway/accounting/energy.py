@@ -33,9 +33,9 @@ usage book counts them) on each engine, with when each try began and ended there
   engine loading, the energy of tries that failed without tokens).
 
 Per try: :meth:`EnergyMeter.begin` and :meth:`EnergyMeter.end`, a dict insert and pop
-and a list append (about a microsecond together; never per stream chunk). The split runs once per
-telemetry tick. :func:`split_energy` is the rule, pure; :class:`EnergyMeter` keeps what
-it needs from one tick to the next.
+and a list append (about a microsecond together; never per stream chunk). The split
+runs once per telemetry tick. :func:`split_energy` is the rule, pure;
+:class:`EnergyMeter` keeps what it needs from one tick to the next.
 """
 
 from __future__ import annotations
