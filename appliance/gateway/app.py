@@ -133,13 +133,10 @@ class Gateway:
 
     def telemetry_read(self, gpus: tuple[GpuStatus, ...]) -> None:
         """A telemetry tick: the GPUs' energy since the last one goes to the keys whose
-        tokens were counted on them meanwhile (accounting/energy.py)."""
+        tries ran on them then, once those tries have ended (accounting/energy.py)."""
         energy = {g.index: g.reading.energy_j for g in gpus}
-        engines = self.appliance.engines()
         self.usage.energy_tick(
-            energy,
-            {e.id: e.telemetry_indexes for e in engines},
-            [e.id for e in engines if self.admission.inflight(e.id)],
+            energy, {e.id: e.telemetry_indexes for e in self.appliance.engines()}
         )
 
     def engines_changed(self) -> None:

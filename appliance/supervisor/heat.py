@@ -65,6 +65,7 @@ class HeatWatch:
     ) -> None:
         """Read, govern, tell, every telemetry.interval_s until the daemon stops."""
         warned = False
+        told_failed = False  # telemetry_read failed, said once until it works again
         while not stopping():
             read = False
             try:
@@ -78,7 +79,13 @@ class HeatWatch:
                     warned = True
             self.govern(runners, link(), time.monotonic())
             if read:  # a failed read is no new figure: the next one covers both intervals
-                link().telemetry_read(self.gpus())
+                try:
+                    link().telemetry_read(self.gpus())
+                    told_failed = False
+                except Exception:  # energy per key failing never stops the governor
+                    if not told_failed:
+                        log.exception("sharing the GPUs' energy among keys failed")
+                        told_failed = True
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._nudged.wait(), self._config().telemetry.interval_s)
             self._nudged.clear()

@@ -16,9 +16,12 @@ writer chooses); a value lower than the last one is a counter reset. An entry wi
 Why it is forgiving: writers rarely replace the file atomically, so a read can see it
 missing, empty or half-written. Such a read tries once more after a short pause (the
 writer is usually done by then); if it still fails it keeps the **last good readings**
-and logs one warning per distinct problem (at most every `WARN_AGAIN_S`, not once per
-interval: a writer that keeps getting caught mid-write must not flood the journal);
-when the file parses again after a warning, an info line says so. A field of the
+(for the governor: the last temperature known is better than none) but with ``energy_j``
+unknown: the old counter value would read as no energy used in the gap, and the next
+good reading would charge the whole gap to one tick. It logs one warning per distinct
+problem (at most every `WARN_AGAIN_S`, not once per interval: a writer that keeps getting
+caught mid-write must not flood the journal); when the file parses again after a
+warning, an info line says so. A field of the
 wrong type (or out of range, e.g. utilization outside 0..1, a NaN) becomes ``None``
 for that field with a warning, never a crash; an entry that is not an object, or whose
 index is bad or repeated, is skipped.
@@ -31,6 +34,7 @@ strict check for ``check-config``: the content must parse too.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -157,7 +161,12 @@ class FileSource:
                     self._spell_warned = False
                     log.info("telemetry file %s is readable again", self._path)
                 self._last_good = readings
-            return list(self._last_good)
+                return list(readings)
+            # Stale: the energy counter is unknown for this tick (a gap, not zero use).
+            return [
+                r if r.energy_j is None else dataclasses.replace(r, energy_j=None)
+                for r in self._last_good
+            ]
 
     def close(self) -> None:
         return None

@@ -424,13 +424,18 @@ async def test_gpu_energy_is_shared_among_keys_by_their_tokens_and_keys_usage_sh
     _, key_a = gw.keys.create("a", ["user"])
     _, key_b = gw.keys.create("b", ["user"])
 
+    clock = [0.0]  # the energy split's clock: 4 Wh is no GPU's use in a moment
+    gw.usage.monotonic = lambda: clock[0]
+
     def tick(energy_j: float) -> None:
         box.appliance._gpus = (GpuStatus(GpuReading(0, energy_j=energy_j)),)
         gw.telemetry_read(box.appliance._gpus)
 
     tick(1000.0)  # the first reading: where counting starts
+    clock[0] = 1.0
     for key in (key_a, key_a, key_a, key_b):
         assert (await box.complete(key))[0] == 200
+    clock[0] = 3600.0
     tick(1000.0 + 4 * 3600.0)  # 4 Wh since
     async with box.client.get("/metrics", headers=box.auth(box.metrics)) as resp:
         assert 'appliance_gpu_energy_joules_total{gpu="0"} 15400.0' in await resp.text()

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
+
+import pytest
 
 from appliance.config import Config
 from appliance.control import EngineStatus, GatewayLink, GpuStatus, NoGateway
@@ -170,3 +173,40 @@ async def test_each_reading_goes_to_the_gateway_once_and_a_failed_read_does_not(
     await asyncio.wait_for(task, 2)
     energies = [[g.reading.energy_j for g in gpus] for gpus in link.seen[:3]]
     assert energies == [[100.0], [200.0], [400.0]]
+
+
+class FailingLink(NoGateway):
+    """A gateway whose energy accounting raises at every telemetry tick."""
+
+    def __init__(self) -> None:
+        self.throttled = 0
+        self.enough = asyncio.Event()
+
+    def set_throttle(self, engine_id: int, level: int) -> None:
+        self.throttled += 1
+        if self.throttled >= 5:
+            self.enough.set()
+
+    def telemetry_read(self, gpus: tuple[GpuStatus, ...]) -> None:
+        raise RuntimeError("bug in accounting")
+
+
+async def test_a_failing_telemetry_read_never_stops_the_governor(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """telemetry_read raised out of the loop: the heat task died, and with it the thermal
+    governor, for good. Now it is said once and the loop goes on governing."""
+    config = with_interval(Config(), 0.01)
+    heat = HeatWatch(EnergySource(), lambda: config)
+    link = FailingLink()
+    stop = False
+    runner = TensorParallelRunner()
+    with caplog.at_level(logging.ERROR, "appliance.supervisor"):
+        task = asyncio.create_task(heat.run([runner], lambda: link, lambda: stop))  # type: ignore[list-item]
+        await asyncio.wait_for(link.enough.wait(), 5)
+        assert not task.done()
+        stop = True
+        heat.nudge()
+        await asyncio.wait_for(task, 2)
+    failed = [r for r in caplog.records if "energy among keys failed" in r.getMessage()]
+    assert len(failed) == 1  # once per episode, not per tick

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -51,6 +52,10 @@ EXAMPLE_READING = GpuReading(
     utilization=0.9,
     energy_j=123456.5,
 )
+
+# The last good reading handed on while the file is bad: its energy counter unknown (a
+# gap, not "nothing used"), the rest kept for the governor.
+STALE_READING = dataclasses.replace(EXAMPLE_READING, energy_j=None)
 
 
 def write(path: Path, doc: Any) -> None:
@@ -174,7 +179,7 @@ def test_broken_file_keeps_last_good_readings(
     else:
         sensors.write_text(broken)
     for _ in range(5):
-        assert source.read() == [EXAMPLE_READING]
+        assert source.read() == [STALE_READING]
     assert len(warnings(caplog)) == 1  # once per distinct problem, not per interval
 
 
@@ -186,7 +191,7 @@ def test_missing_file_keeps_last_good_and_recovery_is_logged(
     source.read()
     sensors.unlink()
     for _ in range(3):
-        assert source.read() == [EXAMPLE_READING]
+        assert source.read() == [STALE_READING]
     assert len(warnings(caplog)) == 1
     assert "keeping the last good readings" in warnings(caplog)[0]
 
@@ -207,7 +212,7 @@ def test_same_problem_is_warned_again_after_a_while(
     source = FileSource(sensors, clock=lambda: now[0])
     for step in range(30):  # a writer caught mid-write over and over
         sensors.write_text('{"gpus": [' if step % 2 else json.dumps(CONTRACT_EXAMPLE))
-        assert source.read() == [EXAMPLE_READING]
+        assert source.read() == [STALE_READING if step % 2 else EXAMPLE_READING]
         now[0] += 1.0
     assert len(warnings(caplog)) == 1
     now[0] += WARN_AGAIN_S
@@ -220,7 +225,7 @@ def test_distinct_problems_each_warn_once(sensors: Path, caplog: pytest.LogCaptu
     source = FileSource(sensors)
     for broken in ["", "{", "", "{", "[1]", "[1]"]:
         sensors.write_text(broken)
-        assert source.read() == [EXAMPLE_READING]
+        assert source.read() == [STALE_READING]
     sensors.unlink()
     source.read()
     assert len(warnings(caplog)) == 4  # empty / unterminated / wrong shape / missing
@@ -378,6 +383,21 @@ def test_energy_is_read_as_written_and_a_counter_reset_as_the_lower_value(
     write(path, {"gpus": [gpu(0, 60, energy_j=20), gpu(1, 60, energy_j=9)]})
     assert [r.energy_j for r in source.read()] == [20.0, 9.0]
     assert warnings(caplog) == []
+
+
+def test_while_the_file_is_bad_the_energy_is_unknown_not_unchanged(tmp_path: Path) -> None:
+    """A writer stuck mid-write for some ticks: the last good readings came back with
+    their old energy_j, so the gap read as no energy used and the next good reading
+    charged the whole gap to the keys of one tick (accounting/energy.py)."""
+    path = tmp_path / "s.json"
+    source = FileSource(path_with(path, 0.0))
+    assert [r.energy_j for r in source.read()] == [0.0, None]
+    write(path, '{"gpus":[{"index":0,"ene')
+    for _ in range(3):
+        stale = source.read()
+        assert [(r.temperature_c, r.energy_j) for r in stale] == [(60.0, None), (60.0, None)]
+    write(path, {"gpus": [gpu(0, 61, energy_j=6000.0)]})
+    assert [(r.temperature_c, r.energy_j) for r in source.read()] == [(61.0, 6000.0)]
 
 
 def path_with(path: Path, energy_j: float) -> Path:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from pathlib import Path
 from types import SimpleNamespace
@@ -214,13 +215,18 @@ def test_a_retry_after_a_failure_before_any_byte_is_charged_once(tmp_path: Path)
 
 def test_energy_per_key_is_kept_with_the_tokens_across_a_save_and_load(tmp_path: Path) -> None:
     b = book(tmp_path)
+    clock = Clock(b)
     b.add("k1", 10, 5, now=T0)
-    b.energy_tick({0: 1000.0}, {0: (0,)}, (), now=T0)  # the first reading: a start only
+    b.energy_tick({0: 1000.0}, {0: (0,)}, now=T0)  # the first reading: a start only
+    clock.t = 1.0
     b.finish(try_of({"key": SimpleNamespace(id="k1", tpm=None)}, None, answer(30, 10)), 0)
     b.finish(try_of({"key": SimpleNamespace(id="k2", tpm=None)}, None, answer(5, 5)), 0)
-    b.energy_tick({0: 1500.0}, {0: (0,)}, (), now=T0)  # 500 J by 40:10 tokens
+    clock.t = 2.0
+    b.energy_tick({0: 1500.0}, {0: (0,)}, now=T0)  # 500 J by 40:10 tokens
+    clock.t = 3.0
     b.finish(try_of({"key": SimpleNamespace(id="k2", tpm=None)}, None, answer(1, 1)), 0)
-    b.energy_tick({0: 1700.0}, {0: (0,)}, (), now=T0 + 2 * HOUR_S)  # 200 J, k2's alone
+    clock.t = 4.0
+    b.energy_tick({0: 1700.0}, {0: (0,)}, now=T0 + 2 * HOUR_S)  # 200 J, k2's alone
     b.save(now=T0 + 2 * HOUR_S)
     again = book(tmp_path)
     again.load()
@@ -230,6 +236,14 @@ def test_energy_per_key_is_kept_with_the_tokens_across_a_save_and_load(tmp_path:
     doc = json.loads(b.path.read_bytes())
     assert doc["keys"]["k1"]["energy_j"] == 400.0
     assert doc["keys"]["k1"]["energy_hours"] == {str(int(T0 // HOUR_S) * HOUR_S): 400.0}
+
+
+class Clock:
+    """The book's monotonic clock, set by the test (the energy split's times)."""
+
+    def __init__(self, b: UsageBook) -> None:
+        self.t = 0.0
+        b.monotonic = lambda: self.t
 
 
 def answer(prompt: int, completion: int) -> Metering:
@@ -257,19 +271,69 @@ def test_a_usage_file_from_before_energy_loads_with_no_energy(tmp_path: Path) ->
     [
         b'"energy_j":-1',
         b'"energy_j":"12"',
+        b'"energy_j":Infinity',  # what json.dumps wrote for an inf
         b'"energy_j":1,"energy_hours":[1]',
         b'"energy_j":1,"energy_hours":{"x":1}',
         b'"energy_j":1,"energy_hours":{"1699999200":-2}',
+        b'"energy_j":1,"energy_hours":{"1699999200":NaN}',
     ],
 )
-def test_a_bad_energy_field_sets_the_file_aside(tmp_path: Path, entry: bytes) -> None:
+def test_a_bad_energy_field_loses_that_keys_energy_only(
+    tmp_path: Path, entry: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An estimate that cannot be read is no reason to set everyone's token counts aside."""
     path = tmp_path / "usage.json"
     path.write_bytes(
         b'{"format":1,"keys":{"k":{"prompt_tokens":1,"completion_tokens":1,"hours":{},'
         + entry
-        + b"}}}"
+        + b'},"other":{"prompt_tokens":5,"completion_tokens":6,"hours":{},"energy_j":7}}}'
     )
     b = book(tmp_path)
-    b.load()
-    assert not path.exists()
-    assert b.counts.energy_since(None) == {}
+    with caplog.at_level(logging.WARNING, "appliance.gateway"):
+        b.load()
+    assert path.exists()  # not set aside
+    assert b.counts.since(None) == {"k": (1, 1), "other": (5, 6)}
+    assert b.counts.energy_since(None) == {"other": 7.0}
+    assert any("key k" in r.getMessage() and "energy" in r.getMessage() for r in caplog.records)
+
+
+def test_a_huge_energy_reading_never_becomes_an_infinity_in_the_file(tmp_path: Path) -> None:
+    """A sensors file's energy_j of 1e308, a reset, 1e308 again: the book summed them to
+    inf, wrote `Infinity`, and the next start set the whole usage file aside."""
+    b = book(tmp_path)
+    clock = Clock(b)
+    key = {"key": SimpleNamespace(id="k1", tpm=None)}
+    for reading in (0.0, 1e308, 0.0, 1e308, 0.0):
+        clock.t += 0.5
+        b.finish(try_of(dict(key), None, answer(5, 5)), 0)
+        clock.t += 0.5
+        b.energy_tick({0: reading}, {0: (0,)}, now=T0)
+    b.counts.add_energy("k1", math.inf, T0)  # nor from anywhere else
+    b.counts.add_energy("k1", math.nan, T0)
+    b.save(now=T0)
+    assert b"Infinity" not in b.path.read_bytes() and b"NaN" not in b.path.read_bytes()
+    again = book(tmp_path)
+    again.load()
+    assert again.path.exists()
+    assert again.counts.since(None) == {"k1": (25, 25)}
+    assert all(math.isfinite(j) for j in again.counts.energy_since(None).values())
+
+
+def test_a_try_is_charged_for_the_ticks_it_ran_in(tmp_path: Path) -> None:
+    """UsageBook.begin (the relay, before the engine call) and finish (its finally): a try
+    that began before a tick and ended after it holds the tick back, then pays for it."""
+    b = book(tmp_path)
+    clock = Clock(b)
+    b.energy_tick({0: 0.0}, {0: (0,)}, now=T0)
+    clock.t = 0.5
+    opened = b.begin(0)
+    clock.t = 1.0
+    b.energy_tick({0: 300.0}, {0: (0,)}, now=T0)
+    clock.t = 1.5
+    b.finish(try_of({"key": SimpleNamespace(id="k2", tpm=None)}, None, answer(5, 5)), 0)
+    assert b.counts.energy_since(None) == {}  # the tick waits for the open try
+    clock.t = 2.0
+    b.finish(try_of({"key": SimpleNamespace(id="k1", tpm=None)}, None, answer(50, 50)), 0, opened)
+    b.energy_tick({0: 300.0}, {0: (0,)}, now=T0)
+    assert b.counts.energy_since(None) == pytest.approx({"k1": 300.0})
+    assert b.energy.open == {}

@@ -8,11 +8,13 @@ keeps per key the totals and hourly buckets (31 days of them, so ``keys usage --
 can answer for any window up to that, at an hour's grain).
 
 Energy per key (an estimate, :mod:`.energy`): each try's tokens are also counted per
-engine, and at every telemetry tick (:meth:`UsageBook.energy_tick`, which the supervisor's
-heat loop reaches through :meth:`appliance.control.GatewayLink.telemetry_read`) each GPU's
-energy since the last tick is shared among the keys by those tokens; the joules go into
-the same file, per key and per hour, beside the tokens. A file from before energy was
-counted has none, and reads as such.
+engine with when the try began and ended there (:meth:`UsageBook.begin`, :meth:`finish`),
+and at every telemetry tick (:meth:`UsageBook.energy_tick`, which the supervisor's heat
+loop reaches through :meth:`appliance.control.GatewayLink.telemetry_read`) each GPU's
+energy of the ticks whose tries have all ended is shared among the keys by those tokens
+over time; the joules go into the same file, per key and per hour, beside the tokens. A
+file from before energy was counted has none, and reads as such; a key whose energy
+entry cannot be read loses that entry only (a warning), never its tokens.
 
 Where: ``usage.json`` beside the keys file (``gateway.keys_file``; by default the state
 directory), for the reasons audit.log is there: ``llm-appliance keys usage`` run by root
@@ -40,7 +42,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -48,7 +50,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter
 
 from appliance.fsutil import SAFE_OPEN, FileWriteError, atomic_write
-from appliance.gateway.accounting.energy import EnergyMeter
+from appliance.gateway.accounting.energy import EnergyMeter, OpenTry
 from appliance.gateway.accounting.plan import UsagePlan
 from appliance.gateway.accounting.stream_tap import Metering, charged
 from appliance.gateway.protocols.counts import is_count
@@ -97,6 +99,8 @@ class UsageCounts:
         bucket[1] += completion
 
     def add_energy(self, key_id: str, joules: float, now: float) -> None:
+        if not (math.isfinite(joules) and joules > 0):
+            return  # never an inf or NaN in the file (JSON has none, and a sum keeps it)
         self.energy[key_id] = self.energy.get(key_id, 0.0) + joules
         hours = self.energy_hours.setdefault(key_id, {})
         hour = _hour(now)
@@ -179,7 +183,14 @@ class UsageCounts:
             except ValueError:
                 raise UsageFileError(f"key {key_id}: an hour is not a number") from None
             if "energy_j" in entry:  # absent: counted before energy was (or never any)
-                _energy_of(counts, key_id, entry)
+                try:
+                    _energy_of(counts, key_id, entry)
+                except UsageFileError as exc:
+                    # An estimate lost for one key is no reason to set everyone's
+                    # token counts aside.
+                    counts.energy.pop(key_id, None)
+                    counts.energy_hours.pop(key_id, None)
+                    log.warning("usage file: %s; that key's energy starts again from 0", exc)
         return counts
 
 
@@ -276,7 +287,8 @@ class UsageBook:
             f"(every {SAVE_INTERVAL_S:.0f} s)",
         )
         self._task: asyncio.Task[None] | None = None
-        self.energy = EnergyMeter()  # tokens per engine since the last telemetry tick
+        self.energy = EnergyMeter()  # tries per engine, for the energy split
+        self.monotonic: Callable[[], float] = time.monotonic  # the energy split's clock
         self._children: dict[str, tuple[Any, Any]] = {}
         self.tokens = Counter(
             "appliance_key_tokens",
@@ -306,13 +318,14 @@ class UsageBook:
         self,
         readings: Mapping[int, float | None],
         gpus_of: Mapping[int, Collection[int]],
-        busy: Collection[int],
         now: float | None = None,
+        mono: float | None = None,
     ) -> None:
-        """A telemetry tick: each GPU's energy reading (None: unknown), each engine's GPUs,
-        the engines with requests in flight; the energy since the last tick is charged to
-        the keys that used those GPUs (:mod:`.energy`)."""
-        charged = self.energy.tick(readings, gpus_of, busy)
+        """A telemetry tick at ``mono`` (:attr:`monotonic`, the clock of :meth:`begin`): each
+        GPU's energy reading (None: unknown), each engine's GPUs; the energy of the ticks
+        whose tries have all ended is charged to the keys that used those GPUs then
+        (:mod:`.energy`), in the hour of ``now`` (wall clock)."""
+        charged = self.energy.tick(readings, gpus_of, self.monotonic() if mono is None else mono)
         when = time.time() if now is None else now
         for key_id, joules in charged.items():
             if joules > 0:
@@ -374,19 +387,32 @@ class UsageBook:
         else:
             self.writes.succeeded()
 
-    # ---- the end of a request ----------------------------------------------------------
-    def finish(self, call: FinishedTry, engine_id: int) -> None:
+    # ---- a request's try ---------------------------------------------------------------
+    def begin(self, engine_id: int) -> OpenTry:
+        """A try begins on engine ``engine_id`` (relay/handlers.py, before the engine
+        call): the energy split waits for its end (:mod:`.energy`)."""
+        return self.energy.begin(engine_id, self.monotonic())
+
+    def finish(self, call: FinishedTry, engine_id: int, opened: OpenTry | None = None) -> None:
         """One try on engine ``engine_id`` ended, however it ended (relay/handlers.py calls
-        this from the try's one ``finally``): count what it used for its key (:func:`charged`:
-        the engine's own count, or a bound never below what the engine did), there too
-        for the energy split, and debit the key's tpm bucket with that instead of the
+        this from the try's one ``finally``; ``opened``: what :meth:`begin` gave, None for
+        a try of no duration): count what it used for its key (:func:`charged`: the
+        engine's own count, or a bound never below what the engine did), there too for
+        the energy split, and debit the key's tpm bucket with that instead of the
         admission charge."""
+        ended = self.monotonic()
         record = call.client.get("key")
         if record is None:
+            if opened is not None:
+                self.energy.end(opened, None, 0, ended)
             return
         usage = charged(call.meter, call.parsed.usage)
         self.add(record.id, usage.prompt, usage.completion)
-        self.energy.count(engine_id, record.id, usage.prompt + usage.completion)
+        used = usage.prompt + usage.completion
+        if opened is not None:
+            self.energy.end(opened, record.id, used, ended)
+        elif used > 0:
+            self.energy.record(engine_id, record.id, used, ended, ended)
         # The charge goes back once per request: a second engine's try (a retry after the
         # first failed before the client saw a byte, which counts nothing) debits what it
         # used, and is not given the charge back again.

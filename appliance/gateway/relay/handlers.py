@@ -470,6 +470,7 @@ class Relay:
         self.pinned.record(request, parsed, engine_id)
         request[LOWERED] = parsed.lowered  # X-Appliance-Max-Tokens (request_body.py)
         call = EngineCall(request, parsed, attempt, snap.address, path, headers, started, method)
+        opened = self._usage.begin(engine_id)  # the energy split waits for its end
         try:
             if parsed.stream and request.version >= HttpVersion11 and method == "POST":
                 result = await relay_via_splice(self._ways, call)
@@ -481,4 +482,4 @@ class Relay:
             attempts.discard(attempt)
             # The one place a try's tokens are counted, however it ended: an answer, a
             # break, a client gone (cancelled), an abandoned engine (stream_tap.charged).
-            self._usage.finish(call, engine_id)
+            self._usage.finish(call, engine_id, opened)
