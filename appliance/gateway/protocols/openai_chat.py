@@ -13,6 +13,7 @@ from typing import Any
 
 from appliance.config import GatewayConfig
 from appliance.gateway.accounting.counts import usage_of_answer
+from appliance.gateway.protocols import prompt_text
 from appliance.gateway.protocols.base import Route, bad_request
 from appliance.gateway.protocols.cost import Cost, prompt_bound, request_cost
 from appliance.gateway.protocols.logprobs import chat_prompt_logprobs
@@ -46,5 +47,6 @@ CHAT = Route(
     calls_tools=openai_calls_tools,
     prompt_logprobs=chat_prompt_logprobs,
     media_fields=("messages",),
+    prompt=prompt_text.chat,
 )
 ROUTES = (CHAT,)

@@ -273,7 +273,7 @@ class Relay:
         adm = gw.admission
         record = request["key"]
         own = adm.try_acquire(
-            parsed.cost, parsed.session, parsed.model, record.id, record.max_inflight
+            parsed.cost, parsed.session, parsed.model, record.id, record.max_inflight, parsed.prefix
         )
         if own is not None:
             gw.fallbacks.served_own(parsed.model)
@@ -290,7 +290,7 @@ class Relay:
         if reason is None:
             return None
         engine_id = adm.try_acquire(
-            other.cost, other.session, target.name, record.id, record.max_inflight
+            other.cost, other.session, target.name, record.id, record.max_inflight, other.prefix
         )
         if engine_id is None:
             return None
@@ -388,6 +388,7 @@ class Relay:
                 parsed.cost,
                 batch=batch,
                 session=parsed.session,
+                prefix=parsed.prefix,
                 exclude=tried,
                 model=parsed.model,
                 load_wait_s=request.get(LOAD_WAIT, {}).get(parsed.model),
