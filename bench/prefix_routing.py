@@ -120,9 +120,11 @@ async def key_hop(address: EngineAddress, key: str) -> AsyncIterator[str]:
                 headers={"Content-Type": r.headers.get("Content-Type", "application/json")},
             )
             await out.prepare(request)
-            async for chunk in r.content.iter_any():
-                await out.write(chunk)
-            await out.write_eof()
+            # The router may close its end once it has the stream's last event: quietly.
+            with contextlib.suppress(ConnectionResetError):
+                async for chunk in r.content.iter_any():
+                    await out.write(chunk)
+                await out.write_eof()
             return out
 
     app = web.Application(client_max_size=64 * 1024 * 1024)
