@@ -539,7 +539,12 @@ class Admission:
         if exclude:
             loads = [x for x in loads if x.id not in exclude]
         if prefix:
-            chosen = route_by_prefix(loads, cost, self._prefixes.matched(prefix), len(prefix))
+            # The index is read only when some engine has room: a waiter tried at every
+            # release while the engines are full costs no lookup.
+            chosen = route(loads, cost)
+            if chosen is not None:
+                matched = self._prefixes.matched(prefix)
+                chosen = route_by_prefix(loads, cost, matched, len(prefix))
         else:
             chosen = route(loads, cost, session, self._affinity)
         if chosen is None:
