@@ -30,12 +30,16 @@ rules, in order:
    its holder far less than its token estimate says, and what a pile-up costs the
    others is decode steps, which go by sequences.
 
-Why these values: an idle or lightly loaded box (``best`` at 0-2 requests) keeps every
-conversation on its engine up to 4 requests of difference, about what one person's agent
-plus a colleague's chat make; beyond that, and 1.5x, the prefill a move costs (seconds
-on a CPU engine, tens to hundreds of ms on a GPU) is less than queueing behind the
-holder's batch. They are constants, not config keys: one rule for all boxes until a
-measurement shows a box that needs another.
+Why these values: a move costs the whole prompt's prefill on the other engine (seconds
+on a CPU engine, tens to hundreds of ms on a GPU), staying costs one more sequence in the
+holder's batch, so the holder is kept up to 8 requests of difference (an engine takes 64
+by default). With 4, on two real CPU engines and 16 conversations at once, the
+conversations still running when the other engine's had ended were moved and prefilled
+again (hit rate 71 % instead of 74.5 %, docs/journal/2026-11-28-prefix-routing.md).
+vllm-router's defaults are 0.3, 64 and 1.5; 64 would let a new prompt that begins with
+a long shared system prompt pile up on the one engine that has seen it before any other
+gets one (ties go to the lighter only once both hold it). They are constants, not
+config keys: one rule for all boxes until a measurement shows a box that needs another.
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ from collections.abc import Mapping, Sequence
 from appliance.policy.routing import EngineLoad, has_room, route
 
 PREFIX_MIN_SHARE = 0.5  # of the request's blocks an engine must hold to be its holder
-BALANCE_ABS = 4  # requests in flight beyond the least-loaded engine's ...
+BALANCE_ABS = 8  # requests in flight beyond the least-loaded engine's ...
 BALANCE_REL = 1.5  # ... and this many times its count: the holder is passed over
 
 

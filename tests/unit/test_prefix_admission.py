@@ -30,7 +30,9 @@ class Box:
     def __init__(self, prefix_routing: bool = True) -> None:
         self.gateway = GatewayConfig(prefix_routing=prefix_routing, max_tokens_cap=64)
         self.config = Config(
-            engine=EngineConfig(max_inflight=8, max_inflight_tokens=1_000_000, max_model_len=32768),
+            engine=EngineConfig(
+                max_inflight=16, max_inflight_tokens=1_000_000, max_model_len=32768
+            ),
             gateway=self.gateway,
         )
         self.snaps = [
@@ -184,10 +186,10 @@ async def test_a_restarted_engine_is_forgotten() -> None:
 async def test_a_holder_far_busier_than_the_other_gives_way() -> None:
     box = Box()
     engine = await box.send(box.parse("chat", chat(1)))
-    await box.load(engine, n=4, tokens=10)
-    assert await box.send(box.parse("chat", chat(2))) == engine  # 4 more: kept
+    await box.load(engine, n=8, tokens=10)
+    assert await box.send(box.parse("chat", chat(2))) == engine  # 8 more: kept
     await box.load(engine, n=1, tokens=10)
-    assert await box.send(box.parse("chat", chat(3))) != engine  # 5 more: moved
+    assert await box.send(box.parse("chat", chat(3))) != engine  # 9 more: moved
 
 
 async def test_a_waiter_gets_its_prefix_routing_too() -> None:

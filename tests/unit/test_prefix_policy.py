@@ -14,7 +14,7 @@ def E(  # a table row
     inflight: int = 0,
     out: int = 0,
     *,
-    max_inflight: int = 16,
+    max_inflight: int = 64,
     level: int = 0,
     accepting: bool = True,
 ) -> EngineLoad:
@@ -24,7 +24,7 @@ def E(  # a table row
 BLOCKS = 40  # the request's prompt: 40 blocks
 
 CASES: list[tuple[str, list[EngineLoad], dict[int, int], int | None]] = [
-    ("no engine with room", [E(0, 16), E(1, 16)], {0: 40}, None),
+    ("no engine with room", [E(0, 64), E(1, 64)], {0: 40}, None),
     ("nothing held: least-loaded", [E(0, 2, 900), E(1, 1, 100)], {}, 1),
     ("the holder, though busier", [E(0, 3, 9000), E(1, 0, 0)], {0: 40}, 0),
     ("the longest holder", [E(0), E(1), E(2)], {0: 20, 1: 39, 2: 25}, 1),
@@ -32,10 +32,10 @@ CASES: list[tuple[str, list[EngineLoad], dict[int, int], int | None]] = [
     ("holds less than half: by load", [E(0, 1, 500), E(1)], {0: 19}, 1),
     ("holds exactly half: the holder", [E(0, 1, 500), E(1)], {0: 20}, 0),
     # balance: both thresholds exceeded -> least-loaded; one alone is not enough
-    ("4 more than an idle engine: kept", [E(0, 4), E(1, 0)], {0: 40}, 0),
-    ("5 more than an idle engine: moved", [E(0, 5), E(1, 0)], {0: 40}, 1),
-    ("15 vs 10: 5 more but not over 1.5x: kept", [E(0, 15), E(1, 10)], {0: 40}, 0),
-    ("13 vs 8: both passed: moved", [E(0, 13), E(1, 8)], {0: 40}, 1),
+    ("8 more than an idle engine: kept", [E(0, 8), E(1, 0)], {0: 40}, 0),
+    ("9 more than an idle engine: moved", [E(0, 9), E(1, 0)], {0: 40}, 1),
+    ("27 vs 18: 9 more but not over 1.5x: kept", [E(0, 27), E(1, 18)], {0: 40}, 0),
+    ("28 vs 18: both passed: moved", [E(0, 28), E(1, 18)], {0: 40}, 1),
     # heat and draining always win
     ("hotter holder loses", [E(0, 0, 0, level=1), E(1, 3, 5000)], {0: 40}, 1),
     (
@@ -45,7 +45,7 @@ CASES: list[tuple[str, list[EngineLoad], dict[int, int], int | None]] = [
         1,
     ),
     ("draining (not accepting) holder loses", [E(0, accepting=False), E(1, 3)], {0: 40}, 1),
-    ("full holder loses", [E(0, 16), E(1, 3)], {0: 40}, 1),
+    ("full holder loses", [E(0, 64), E(1, 3)], {0: 40}, 1),
     (
         "a hot longest holder gives way to a cool shorter one",
         [E(0, level=2), E(1, 2, 900), E(2, 0, 0)],
@@ -72,7 +72,7 @@ def test_a_prompt_of_no_whole_block_is_placed_by_load() -> None:
 
 def test_the_thresholds_are_those_documented() -> None:
     # docs/operations.md names them: change both together.
-    assert (PREFIX_MIN_SHARE, BALANCE_ABS, BALANCE_REL) == (0.5, 4, 1.5)
+    assert (PREFIX_MIN_SHARE, BALANCE_ABS, BALANCE_REL) == (0.5, 8, 1.5)
 
 
 def test_thresholds_can_be_passed() -> None:
