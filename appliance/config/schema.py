@@ -140,6 +140,16 @@ class GatewayConfig:
         lo_open=True,
         live=True,
     )
+    prefix_routing: bool = _f(
+        True,
+        "Keep a conversation on the engine that holds its prompt's beginning in its prefix "
+        "cache, with no client hint: a request whose prompt begins with what an engine "
+        "was sent before goes there, unless that engine is hotter, draining, full or far "
+        "more loaded than the least-loaded one (docs/keys.md). `X-Session-Id`, "
+        "`prompt_cache_key`, Anthropic `metadata.user_id` and `user` pin a conversation "
+        "whatever this says. false: least-loaded only.",
+        live=True,
+    )
     stall_timeout_s: float = _f(
         60.0,
         "A streamed answer whose client reads none of it for this long (the gateway's "

@@ -101,15 +101,23 @@ def _cooler_or_lighter(a: EngineLoad, b: EngineLoad) -> bool:
     return a.inflight < b.inflight
 
 
-def session_key(user_field: str | None, header: str | None) -> str | None:
-    """The session a request belongs to, for affinity: ``X-Session-Id``, else ``user``.
+def session_key(
+    user_field: str | None,
+    header: str | None,
+    cache_key: str | None = None,
+    anthropic_user: str | None = None,
+) -> str | None:
+    """The session a request belongs to, for affinity: ``X-Session-Id``, else OpenAI's
+    ``prompt_cache_key``, else Anthropic's ``metadata.user_id``, else ``user``.
 
-    The header wins because a client sets it on purpose for this; the OpenAI ``user``
-    field names an end user, which is a good second guess (one user's conversation
-    shares a prefix). Surrounding blanks are ignored, blank means none, and keys are cut
-    to `MAX_SESSION_KEY_CHARS` so a client cannot make the affinity map hold megabytes.
+    The header wins because a client sets it on purpose for this; ``prompt_cache_key``
+    (Codex sends its conversation's id) is asked for precisely to share a cache;
+    Claude Code's ``metadata.user_id`` names its session; the OpenAI ``user`` field names
+    an end user, which is a good last guess (one user's conversation shares a prefix).
+    Surrounding blanks are ignored, blank means none, and keys are cut to
+    `MAX_SESSION_KEY_CHARS` so a client cannot make the affinity map hold megabytes.
     """
-    for raw in (header, user_field):
+    for raw in (header, cache_key, anthropic_user, user_field):
         if raw:
             key = raw.strip()
             if key:

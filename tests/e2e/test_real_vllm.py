@@ -299,6 +299,66 @@ def test_eight_concurrent_streams(appliance: RealAppliance) -> None:
     )
 
 
+def prefix_cache(app: RealAppliance) -> tuple[float, float, list[float]]:
+    """Both engines' prefix-cache (hits, queries) in tokens, and each one's prompt tokens."""
+    both = [engine_metrics(app, i) for i in (0, 1)]
+    return (
+        sum(m.get("vllm:prefix_cache_hits_total", 0.0) for m in both),
+        sum(m.get("vllm:prefix_cache_queries_total", 0.0) for m in both),
+        [m.get("vllm:prompt_tokens_total", 0.0) for m in both],
+    )
+
+
+def test_later_turns_without_hints_hit_the_engines_prefix_cache(appliance: RealAppliance) -> None:
+    """Issue 35 item 1: two conversations with no hint begin at once (least-loaded puts
+    them on different engines); their later turns, one at a time, go where their prefix
+    is cached. Least-loaded would send every one of them to engine 0 (both idle), and
+    the conversation begun on engine 1 would be prefilled again from scratch."""
+    model = served_model(appliance)
+    c = client(appliance, timeout=300)
+    docs = {
+        name: " ".join(f"{name}{i} is item number {i} of the {name} inventory." for i in range(60))
+        for name in ("alpha", "beta")
+    }
+    history: dict[str, list[dict[str, str]]] = {
+        name: [{"role": "user", "content": f"Read this list.\n{doc}\nWhat is item 3?"}]
+        for name, doc in docs.items()
+    }
+
+    def ask(name: str) -> None:
+        messages: Any = history[name]
+        answer = c.chat.completions.create(
+            model=model, messages=messages, max_tokens=8, temperature=0
+        )
+        said = answer.choices[0].message.content or ""
+        history[name] += [
+            {"role": "assistant", "content": said},
+            {"role": "user", "content": f"And item {len(history[name]) + 3}?"},
+        ]
+
+    _, _, prompts_before = prefix_cache(appliance)
+    threads = [threading.Thread(target=ask, args=(name,)) for name in docs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    _, _, prompts_after = prefix_cache(appliance)
+    # Each engine prefilled one conversation: they began on different engines.
+    assert all(a - b > 300 for a, b in zip(prompts_after, prompts_before, strict=True)), (
+        prompts_before,
+        prompts_after,
+    )
+    shares = []
+    for _turn in (2, 3):
+        for name in docs:
+            hits, queries, _ = prefix_cache(appliance)
+            ask(name)
+            hits2, queries2, _ = prefix_cache(appliance)
+            shares.append((hits2 - hits) / max(1.0, queries2 - queries))
+    print(f"\n[e2e] later turns' prefix-cache hit share: {[f'{s:.0%}' for s in shares]}")
+    assert all(s >= 0.5 for s in shares), shares
+
+
 def test_sigkill_of_api_server_orphan_removed_and_restarted_without_client_failures(
     appliance: RealAppliance,
 ) -> None:

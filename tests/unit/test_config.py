@@ -70,6 +70,7 @@ GOOD: list[tuple[str, Any, Any, dict[str, Any]]] = [
     ("gateway.queue_timeout_s", 5, 5.0, {}),  # an int is fine where a number is wanted
     ("gateway.queue_timeout_s", 0.5, 0.5, {}),
     ("gateway.metrics_public", True, True, {}),
+    ("gateway.prefix_routing", False, False, {}),
     ("gateway.max_connections", 100_000, 100_000, {}),
     ("gateway.header_timeout_s", 0.5, 0.5, {}),
     ("gateway.body_timeout_s", 3600, 3600.0, {}),
@@ -185,6 +186,7 @@ BAD: list[Any] = [
     ("gateway.queue_timeout_s", math.nan, "nan", "must be a number"),
     ("gateway.queue_timeout_s", math.inf, "inf", "must be a number"),
     ("gateway.metrics_public", "false", '"false"', "must be true or false"),
+    ("gateway.prefix_routing", "off", '"off"', "must be true or false"),
     ("engine.python", ["python3"], "['python3']", "must be a string"),
     ("engine.model", 1, "1", "must be a string"),
     ("engine.served_model_name", False, "false", "must be a string"),

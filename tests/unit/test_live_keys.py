@@ -76,6 +76,24 @@ def request(route: str, body: dict[str, Any]) -> Probe:
     return build
 
 
+LONG_CHAT = {"messages": [{"role": "user", "content": "a long question " * 200}]}
+
+
+def prefix_of(body: dict[str, Any]) -> Probe:
+    """How many prompt blocks the gateway hashes for prefix routing (0: none), given the
+    gateway section in force at call time."""
+
+    def build(config: Callable[[], Config]) -> Observe:
+        async def observe() -> object:
+            cfg = config()
+            raw = json.dumps({"model": "m", **body}).encode()
+            return len(parse_body("chat", raw, {}, cfg.gateway, cfg.engine.max_model_len).prefix)
+
+        return observe
+
+    return build
+
+
 # ---- admission: one Admission, built once, observed before and after -------------------
 class Clock:
     def __init__(self) -> None:
@@ -271,6 +289,8 @@ CASES: dict[str, Case] = {
     "gateway.max_n": Case(1, request("completions", {"prompt": "x", "n": 2})),
     "gateway.max_best_of": Case(1, request("completions", {"prompt": "x", "best_of": 2})),
     "gateway.max_prompts": Case(1, request("completions", {"prompt": ["x", "y"]})),
+    # Whether a request's prompt is hashed for prefix routing (empty: least-loaded only).
+    "gateway.prefix_routing": Case(False, prefix_of(LONG_CHAT)),
     "gateway.max_queue": Case(
         2, admission(queue_or_refuse, EngineState.STARTING), {"gateway": {"max_queue": 0}}
     ),

@@ -217,3 +217,25 @@ def test_route_invariants(
 )
 def test_session_key(user: str | None, header: str | None, expected: str | None) -> None:
     assert session_key(user, header) == expected
+
+
+@pytest.mark.parametrize(
+    ("user", "header", "cache_key", "anthropic_user", "expected"),
+    [
+        (None, None, "codex-conv", None, "codex-conv"),  # Codex's prompt_cache_key
+        (None, None, None, "user_x_session_1", "user_x_session_1"),  # Claude Code's
+        ("alice", None, "codex-conv", None, "codex-conv"),  # asked for caching: over user
+        ("alice", None, None, "user_x_session_1", "user_x_session_1"),
+        (None, "conv-1", "codex-conv", "user_x", "conv-1"),  # the header still first
+        ("alice", None, " ", "", "alice"),  # blank hints fall through
+        (None, None, "k" * 1000, None, "k" * MAX_SESSION_KEY_CHARS),
+    ],
+)
+def test_session_key_reads_every_hint(
+    user: str | None,
+    header: str | None,
+    cache_key: str | None,
+    anthropic_user: str | None,
+    expected: str | None,
+) -> None:
+    assert session_key(user, header, cache_key, anthropic_user) == expected

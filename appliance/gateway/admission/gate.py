@@ -42,9 +42,11 @@ from appliance.config import Config
 from appliance.engine import EngineState
 from appliance.gateway.admission.fallback import model_room
 from appliance.gateway.admission.models import candidates
+from appliance.gateway.admission.prefix_index import Blocks, PrefixIndex
 from appliance.gateway.admission.wait_queue import Waiter, WaitQueue
 from appliance.gateway.errors import GatewayError
 from appliance.policy.fallback import ModelRoom
+from appliance.policy.prefix import route_by_prefix
 from appliance.policy.routing import EngineLoad, route
 from appliance.policy.thermal import HARD_LEVEL, scale_budget
 
@@ -123,6 +125,7 @@ class Admission:
         self._unanswered: dict[int, tuple[int | None, float]] = {}
         self._queue = WaitQueue()
         self._affinity: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self._prefixes = PrefixIndex()  # which engine was sent which prompt beginnings
 
     # ---- views ----------------------------------------------------------------------
     def inflight(self, engine_id: int) -> int:
@@ -161,6 +164,7 @@ class Admission:
         for snap in candidates(model, self._engines()):
             e = config.engine_of(snap.model)
             level = self._throttle_level.get(snap.id, 0)
+            self._prefixes.seen(snap.id, snap.state, snap.pid)  # a restart loses its cache
             out.append(
                 EngineLoad(
                     id=snap.id,
@@ -289,13 +293,15 @@ class Admission:
         load_wait_s: float | None = None,
         key: str | None = None,
         key_cap: int = 0,
+        prefix: Blocks = (),
     ) -> int:
         """An engine id (one of ``model``'s) with a slot reserved for this request;
         release() it when done. ``load_wait_s``: the model is on demand (its
         load_timeout_s); while none of its engines serves (it is being loaded, or put
         away for another model of its slot: a swap) the request may wait that long in
         all, instead of gateway.queue_timeout_s. ``key``: the key's id, counted per key;
-        ``key_cap``: its max_inflight (0: none), beyond which it waits."""
+        ``key_cap``: its max_inflight (0: none), beyond which it waits. ``prefix``: its
+        prompt's block hashes, when no ``session`` places it (prefix_index.py)."""
         self.check_cost(cost, model)
         if self._drained_all(model, exclude):
             raise self._drained_error(model)
@@ -305,11 +311,11 @@ class Admission:
             raise self._closed()
         g = self._config().gateway
         if not self._queued_for(model) and not self._capped(key, key_cap):
-            chosen = self._route(cost, session, exclude, model=model, key=key)
+            chosen = self._route(cost, session, exclude, model=model, key=key, prefix=prefix)
             if chosen is not None:
                 return chosen
         self._make_room_in_queue(batch, g.max_queue, key)
-        waiter = Waiter(cost, session, exclude, batch, self._clock(), model, key, key_cap)
+        waiter = Waiter(cost, session, exclude, batch, self._clock(), model, key, key_cap, prefix)
         self._queue.add(waiter)
         self.kick()  # room may exist for it: waiters ahead may be waiting for more room
         return await self._wait_in_queue(waiter, g.queue_timeout_s, load_wait_s)
@@ -321,6 +327,7 @@ class Admission:
         model: str,
         key: str | None = None,
         key_cap: int = 0,
+        prefix: Blocks = (),
     ) -> int | None:
         """An engine of ``model`` reserved for this request if one has room at once (and
         nobody of that model waits, and the key is under its cap), else None: no
@@ -328,7 +335,7 @@ class Admission:
         acquire()'s."""
         if not self._accepting() or self._queued_for(model) or self._capped(key, key_cap):
             return None
-        return self._route(cost, session, frozenset(), model=model, key=key)
+        return self._route(cost, session, frozenset(), model=model, key=key, prefix=prefix)
 
     def _capped(self, key: str | None, cap: int) -> bool:
         """The key has ``cap`` (its max_inflight) requests in flight already."""
@@ -559,16 +566,29 @@ class Admission:
         loads: list[EngineLoad] | None = None,
         model: str | None = None,
         key: str | None = None,
+        prefix: Blocks = (),
     ) -> int | None:
         """Reserve a slot on the engine of ``model`` routing picks; ``loads`` (that
-        model's) if the caller has them; counted for ``key`` (its id) too."""
+        model's) if the caller has them; counted for ``key`` (its id) too. A request
+        with a ``prefix`` (no session) goes where its prompt's beginning is cached
+        (policy/prefix.py), and its blocks are then that engine's."""
         if loads is None:
             loads = self.loads(model)
         if exclude:
             loads = [x for x in loads if x.id not in exclude]
-        chosen = route(loads, cost, session, self._affinity)
+        if prefix:
+            # The index is read only when some engine has room: a waiter tried at every
+            # release while the engines are full costs no lookup.
+            chosen = route(loads, cost)
+            if chosen is not None:
+                matched = self._prefixes.matched(prefix)
+                chosen = route_by_prefix(loads, cost, matched, len(prefix))
+        else:
+            chosen = route(loads, cost, session, self._affinity)
         if chosen is None:
             return None
+        if prefix:
+            self._prefixes.record(chosen, prefix)
         self._inflight[chosen] += 1
         self._tokens[chosen] += cost
         if key is not None:
@@ -604,7 +624,9 @@ class Admission:
             self._clock(),
             self._config().gateway.queue_aging_s,
             self.loads,
-            lambda w, loads: self._route(w.cost, w.session, w.exclude, loads, w.model, w.key),
+            lambda w, loads: self._route(
+                w.cost, w.session, w.exclude, loads, w.model, w.key, w.prefix
+            ),
             self._key_blocked,
             self._key_inflight.__getitem__,
             self._waiter_capped,

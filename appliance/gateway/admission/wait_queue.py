@@ -39,6 +39,7 @@ class Waiter:
     model: str | None  # its model's canonical name (None: any engine)
     key: str | None = None  # the id of the key it came with (None: not counted per key)
     key_cap: int = 0  # that key's max_inflight (0: no cap)
+    prefix: tuple[int, ...] = ()  # its prompt's block hashes (prefix_index.py)
     seq: int = 0  # its place in arrival order (WaitQueue.add)
     future: asyncio.Future[int] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()

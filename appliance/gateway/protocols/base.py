@@ -17,7 +17,8 @@ What a route says:
   anything the gateway writes into the forwarded body (``prepare``), the fields that ask
   for a log-probability of every prompt token (``prompt_logprobs``) and those whose
   content parts may carry media URLs (``media_fields``): what a model may refuse
-  (refusals.py);
+  (refusals.py); the prompt as one text in reading order (``prompt``: prefix routing,
+  prompt_text.py);
 - **the answer**: the engine's own counts in a whole answer (``answer_usage``) and in a
   stream's events (``event_usage``; None: chat and completions' own reader, which asks
   for the usage event and takes it out again, stream_tap.StreamTap), how many events
@@ -78,6 +79,8 @@ class Route:
     # The field that asks the engine for every prompt token's logprobs, or None (logprobs.py)
     prompt_logprobs: Callable[[Mapping[str, Any]], str | None] | None = None
     media_fields: tuple[str, ...] = ()  # fields whose content may hold media URLs (media.py)
+    # The prompt as one text, for prefix routing (prompt_text.py); None: placed by load.
+    prompt: Callable[[Mapping[str, Any]], str | None] | None = None
 
     @property
     def path(self) -> str:

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from appliance.config import GatewayConfig
+from appliance.gateway.protocols import prompt_text
 from appliance.gateway.protocols.base import Route, bad_request
 from appliance.gateway.protocols.cost import Cost, prompt_bound, request_cost
 from appliance.gateway.protocols.counts import usage_of_answer
@@ -41,5 +42,6 @@ COMPLETIONS = Route(
     answer_usage=usage_of_answer,
     streams=True,
     prompt_logprobs=completions_prompt_logprobs,
+    prompt=prompt_text.completions,
 )
 ROUTES = (COMPLETIONS,)

@@ -32,6 +32,7 @@ from typing import Any
 
 from appliance.config import GatewayConfig
 from appliance.gateway.errors import anthropic_error_body
+from appliance.gateway.protocols import prompt_text
 from appliance.gateway.protocols.base import (
     COUNT,
     Route,
@@ -223,6 +224,7 @@ MESSAGES = Route(
     error_event=error_event,
     calls_tools=anthropic_calls_tools,
     media_fields=("messages",),
+    prompt=prompt_text.messages,
 )
 COUNT_TOKENS = Route(
     name="count_tokens",

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from appliance.config import GatewayConfig
+from appliance.gateway.protocols import prompt_text
 from appliance.gateway.protocols.base import Route, bad_request
 from appliance.gateway.protocols.cost import Cost, prompt_bound, request_cost
 from appliance.gateway.protocols.counts import usage_of_answer
@@ -46,5 +47,6 @@ CHAT = Route(
     calls_tools=openai_calls_tools,
     prompt_logprobs=chat_prompt_logprobs,
     media_fields=("messages",),
+    prompt=prompt_text.chat,
 )
 ROUTES = (CHAT,)

@@ -28,6 +28,7 @@ from typing import Any
 
 from appliance.config import GatewayConfig
 from appliance.gateway.errors import GatewayError
+from appliance.gateway.protocols import prompt_text
 from appliance.gateway.protocols.base import (
     COUNT,
     Route,
@@ -224,5 +225,6 @@ RESPONSES = Route(
     error_event=error_event,
     calls_tools=openai_calls_tools,
     media_fields=("input",),
+    prompt=prompt_text.responses,
 )
 ROUTES = (RESPONSES,)

@@ -316,7 +316,7 @@ class Relay:
         adm = self._admission
         record = request["key"]
         own = adm.try_acquire(
-            parsed.cost, parsed.session, parsed.model, record.id, record.max_inflight
+            parsed.cost, parsed.session, parsed.model, record.id, record.max_inflight, parsed.prefix
         )
         if own is not None:
             self._fallbacks.served_own(parsed.model)
@@ -333,7 +333,7 @@ class Relay:
         if reason is None:
             return None
         engine_id = adm.try_acquire(
-            other.cost, other.session, target.name, record.id, record.max_inflight
+            other.cost, other.session, target.name, record.id, record.max_inflight, other.prefix
         )
         if engine_id is None:
             return None
@@ -436,6 +436,7 @@ class Relay:
                 parsed.cost,
                 batch=batch,
                 session=parsed.session,
+                prefix=parsed.prefix,
                 exclude=tried,
                 model=parsed.model,
                 load_wait_s=request.get(LOAD_WAIT, {}).get(parsed.model),

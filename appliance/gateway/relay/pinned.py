@@ -96,6 +96,7 @@ class PinnedRelay:
             parsed.cost,
             batch=batch,
             session=parsed.session,
+            prefix=parsed.prefix,
             exclude=others - {engine_id},
             model=parsed.model,
             key=record.id,

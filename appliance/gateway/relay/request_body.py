@@ -26,6 +26,7 @@ from appliance.gateway.accounting.plan import (
     insert_first,
     plan_usage,
 )
+from appliance.gateway.admission.prefix_index import Blocks, prompt_blocks
 from appliance.gateway.errors import GatewayError
 from appliance.gateway.protocols import ROUTES, StateRef
 from appliance.gateway.relay.json_bounds import TooMuchStructure, check_structure, may_exceed
@@ -49,6 +50,9 @@ class ParsedRequest:
     # The engine's scheduling priority sent as vLLM's X-Vllm-Priority header, on the
     # routes whose body has no priority field vLLM reads (Messages): see finish_body.
     priority_header: int | None = None
+    # The chained hashes of its prompt's blocks, for prefix routing (prefix_index.py);
+    # () when a hint pins it (``session``), prefix routing is off, or it has no prompt.
+    prefix: Blocks = ()
 
     @property
     def tpm_charge(self) -> int:
@@ -226,9 +230,19 @@ def finish_body(
             b'"priority":%d,' % in_body if in_body is not None else b""
         )
         raw = insert_first(raw, first) or _dump(body)
-    user = body.get("user")
-    session = session_key(user if isinstance(user, str) else None, headers.get("X-Session-Id"))
+    session = session_key(
+        _text(body.get("user")),
+        headers.get("X-Session-Id"),
+        _text(body.get("prompt_cache_key")),
+        _text(meta.get("user_id")) if isinstance(meta := body.get("metadata"), dict) else None,
+    )
     state = spec.state(body) if spec.state is not None else None
+    # No hint and not pinned by a stored response: placed by its prompt's beginning.
+    prefix: Blocks = ()
+    pinned = state is not None and state.needs is not None
+    if session is None and spec.prompt is not None and limits.prefix_routing and not pinned:
+        text = spec.prompt(body)
+        prefix = prompt_blocks(text) if text else ()
     lowered = cost.write[1] if cost.lowered and cost.write is not None else None
     return ParsedRequest(
         route,
@@ -241,7 +255,12 @@ def finish_body(
         state=state,
         lowered=lowered,
         priority_header=priority if route in HEADER_PRIORITY else None,
+        prefix=prefix,
     )
+
+
+def _text(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
 
 
 def parse_body(
