@@ -152,9 +152,9 @@ async def test_a_hint_wins_over_the_prefix(
 async def test_a_hotter_engine_loses_locality() -> None:
     box = Box()
     engine = await box.send(box.parse("chat", chat(1)))
-    box.adm.throttle_level[engine] = 1
+    box.adm.set_throttle(engine, 1)
     assert await box.send(box.parse("chat", chat(2))) != engine
-    box.adm.throttle_level[engine] = 0  # cooled; turn 2 went to the other one, which
+    box.adm.set_throttle(engine, 0)  # cooled; turn 2 went to the other one, which
     await box.load(1 - engine, n=1)  # now holds the longer prefix: turn 3 follows it
     assert await box.send(box.parse("chat", chat(3))) == 1 - engine
 
