@@ -53,13 +53,43 @@ def test_the_index_is_a_bounded_lru() -> None:
     idx = PrefixIndex(capacity=8)
     old, new = blocks(text(5, "o")), blocks(text(5, "n"))
     idx.record(0, old)
-    idx.record(1, new)  # 10 hashes: the two oldest of ``old`` go
+    idx.record(1, new)  # 10 hashes: two of ``old`` go, its last two (its end first)
     assert len(idx) == 8
-    assert idx.matched(old) == {}  # its beginning is gone, so is all of it
+    assert idx.matched(old) == {0: 3}  # what is left of it still matches from the start
     assert idx.matched(new) == {1: 5}
     idx.record(1, new)  # used again: now the most recent
     idx.record(0, old[:3])
     assert idx.matched(new) == {1: 5} and idx.matched(old) == {0: 3}
+
+
+def test_a_full_index_trims_a_prompt_from_its_end() -> None:
+    # A conversation squeezed by others keeps its beginning, so it still matches as far
+    # as it is kept (it lost its first block, and with it everything, before).
+    idx = PrefixIndex(capacity=10)
+    conv = blocks(text(8, "c"))
+    idx.record(0, conv)
+    idx.record(1, blocks(text(3, "x")))  # one over: one of conv's hashes goes
+    assert idx.matched(conv) == {0: 7}
+
+
+def test_engines_forgotten_together_cost_one_pass() -> None:
+    idx = PrefixIndex()
+    conv = blocks(text(4))
+    for engine in range(4):
+        idx.record(engine, conv)
+    idx.forget(1)
+    idx.forget(2)
+    assert idx.matched(conv) == {0: 4, 3: 4}
+
+
+def test_the_chain_is_seeded_by_the_model_sent() -> None:
+    # An adapter's prefix cache is its own in vLLM: the same text for another is no match.
+    idx = PrefixIndex()
+    t = text(3)
+    idx.record(0, blocks(t, hash("base")))
+    assert idx.matched(blocks(t, hash("base"))) == {0: 3}
+    assert idx.matched(blocks(t, hash("adapter-a"))) == {}
+    assert len(blocks(t, hash("base"), limit=2)) == 2
 
 
 def test_forget_drops_one_engine_only() -> None:
@@ -204,3 +234,32 @@ def test_two_conversations_on_one_system_prompt_differ_after_it() -> None:
         {"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "y"}]}
     )
     assert a != b and a is not None and b is not None
+
+
+def test_a_body_of_many_empty_parts_is_walked_within_its_budget() -> None:
+    # 60,000 empty parts after the text: the walk stops at its node budget, and the text
+    # read so far is what every turn of the conversation begins with.
+    many = [{"role": "user", "content": [{"type": "text", "text": "hi"}, *([{}] * 60000)]}]
+    got = prompt_text.chat({"messages": many})
+    assert got is not None and got.startswith("user\x1ftext\x1fhi\x1f")
+    numbers = prompt_text.chat({"messages": [{"role": "user", "content": [0] * 60000}]})
+    assert numbers == "user\x1f"
+    pieces = prompt_text.chat({"messages": [{"role": "user", "content": ["a"] * 60000}]})
+    assert pieces is not None and pieces.count("a") <= prompt_text.NODE_BUDGET
+
+
+def test_text_the_cost_does_not_count_cannot_fill_the_index() -> None:
+    # A 300 KB "id" on a message: the cost counts the message's text and max_tokens (a
+    # few dozen tokens), so the request hashes a block or two, not 512. Flushing the
+    # index takes requests whose cost adds up to about 4 tokens per character held.
+    from appliance.config import GatewayConfig
+    from appliance.gateway.relay.request_body import parse_body
+
+    body = {
+        "model": "m",
+        "max_tokens": 16,
+        "messages": [{"role": "user", "id": "x" * 300_000, "content": "hi"}],
+    }
+    raw = __import__("json").dumps(body).encode()
+    parsed = parse_body("chat", raw, {}, GatewayConfig(), 4096)
+    assert 0 < len(parsed.prefix) <= 2

@@ -35,7 +35,7 @@ BLOCK_CHARS = 512
 # a longer prompt is placed by its beginning, and costs no more to hash than that.
 MAX_BLOCKS = 512
 # Block hashes remembered, all engines together: 64 Mi characters of distinct prompt
-# text, 16M tokens or so, more than the KV caches of a box's engines hold; about 8 MB.
+# text, 16M tokens or so, more than the KV caches of a box's engines hold; about 16 MB.
 INDEX_BLOCKS = 131072
 # States in which an engine still holds what it was sent (its process and KV cache).
 KEEPS_CACHE = frozenset({EngineState.READY, EngineState.SUSPECT, EngineState.DRAINING})
@@ -43,12 +43,14 @@ KEEPS_CACHE = frozenset({EngineState.READY, EngineState.SUSPECT, EngineState.DRA
 Blocks = tuple[int, ...]
 
 
-def prompt_blocks(text: str) -> Blocks:
+def prompt_blocks(text: str, seed: int = 0, limit: int = MAX_BLOCKS) -> Blocks:
     """The chained hashes of ``text``'s whole blocks (a last partial block is left out:
-    the next turn's text continues it, so it would never match)."""
+    the next turn's text continues it, so it would never match), at most ``limit`` of
+    them. ``seed`` starts the chain: the model (or adapter) the request is sent as, whose
+    prefix cache is its own in vLLM, so the same text for another adapter is no match."""
     out: list[int] = []
-    h = 0
-    end = min(len(text), BLOCK_CHARS * MAX_BLOCKS) - BLOCK_CHARS
+    h = seed
+    end = min(len(text), BLOCK_CHARS * min(limit, MAX_BLOCKS)) - BLOCK_CHARS
     for i in range(0, end + 1, BLOCK_CHARS):
         h = hash((h, text[i : i + BLOCK_CHARS]))
         out.append(h)
@@ -64,6 +66,9 @@ class PrefixIndex:
         self._engines: collections.OrderedDict[int, int] = collections.OrderedDict()
         # Engine id -> (its process,) when last seen serving, None when not serving.
         self._spawns: dict[int, tuple[int | None] | None] = {}
+        # Engines whose entries are to go, as bits: dropped in one pass over the index at
+        # its next use, however many engines restarted or slept together.
+        self._forgotten = 0
 
     def __len__(self) -> int:
         return len(self._engines)
@@ -74,6 +79,8 @@ class PrefixIndex:
         out: dict[int, int] = {}
         if not blocks:
             return out
+        if self._forgotten:
+            self._drop_forgotten()
         get = self._engines.get
         alive = get(blocks[0], 0)
         for n, h in enumerate(blocks):
@@ -87,21 +94,29 @@ class PrefixIndex:
         return out
 
     def record(self, engine_id: int, blocks: Blocks) -> None:
-        """``engine_id`` was sent a prompt of ``blocks``: each is now its, and most recent."""
+        """``engine_id`` was sent a prompt of ``blocks``: each is now its, and most recent,
+        the first block most of all: when the index is full a prompt loses its end first,
+        and what is left of it still matches from the beginning."""
+        if self._forgotten:
+            self._drop_forgotten()
         bit = 1 << engine_id
         entries = self._engines
-        for h in blocks:
+        for h in reversed(blocks):
             entries[h] = entries.get(h, 0) | bit
             entries.move_to_end(h)
         while len(entries) > self._capacity:
             entries.popitem(last=False)
 
     def forget(self, engine_id: int) -> None:
-        """Drop everything ``engine_id`` was sent (its cache is gone)."""
-        bit = 1 << engine_id
+        """Drop everything ``engine_id`` was sent (its cache is gone), at the index's next
+        use: engines that go together (a model's engines put to sleep) cost one pass."""
+        self._forgotten |= 1 << engine_id
+
+    def _drop_forgotten(self) -> None:
+        bits, self._forgotten = self._forgotten, 0
         entries = self._engines
-        for h in [h for h, mask in entries.items() if mask & bit]:
-            left = entries[h] & ~bit
+        for h in [h for h, mask in entries.items() if mask & bits]:
+            left = entries[h] & ~bits
             if left:
                 entries[h] = left
             else:

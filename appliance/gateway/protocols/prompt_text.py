@@ -50,27 +50,64 @@ def messages(body: Mapping[str, Any]) -> str | None:
     return _text(body.get("system"), body.get("messages"))
 
 
+# What one request's walk may read: enough text for every block prefix routing hashes
+# (index.BLOCK_CHARS x MAX_BLOCKS), and a bound on the JSON nodes visited, so a body of
+# many tiny or empty parts costs the event loop no more than a long text. The bounds cut
+# every turn of a conversation at the same place, so what is read still matches.
+TEXT_BUDGET = 512 * 512
+NODE_BUDGET = 8192
+
+
+class _Walk:
+    __slots__ = ("chars", "nodes", "out")
+
+    def __init__(self) -> None:
+        self.out: list[str] = []
+        self.chars = TEXT_BUDGET
+        self.nodes = NODE_BUDGET
+
+
 def _text(head: Any, items: Any) -> str | None:
-    pieces: list[str] = []
-    _walk(head, pieces)
-    _walk(items, pieces)
-    return SEP.join(pieces) + SEP if pieces else None
+    walk = _Walk()
+    _walk(head, walk)
+    _walk(items, walk)
+    return SEP.join(walk.out) + SEP if walk.out else None
 
 
-def _walk(value: Any, out: list[str]) -> None:
-    """Append the text of ``value`` (a text, a list, a message or part) to ``out``. The
-    depth is bounded by the body's own (``relay/json_bounds.py`` refused deeper)."""
-    if isinstance(value, str):
-        out.append(value)
-    elif isinstance(value, list):
+def _walk(value: Any, walk: _Walk) -> None:
+    """Append the text of ``value`` (a text, a list, a message or part) to the walk's
+    pieces, until its budgets run out. The depth is bounded by the body's own
+    (``relay/json_bounds.py`` refused deeper)."""
+    walk.nodes -= 1
+    if walk.nodes < 0 or walk.chars <= 0:
+        return
+    kind = type(value)
+    if kind is str:
+        walk.out.append(value)
+        walk.chars -= len(value)
+    elif kind is list:
         for item in value:
-            _walk(item, out)
-    elif isinstance(value, dict):
+            if walk.nodes < 0 or walk.chars <= 0:
+                return
+            t = type(item)
+            if t is str:
+                walk.out.append(item)
+                walk.chars -= len(item)
+                walk.nodes -= 1
+            elif t is dict or t is list:
+                _walk(item, walk)
+            else:
+                walk.nodes -= 1  # a number, null or boolean: nothing to read
+    elif kind is dict:
+        if not value:
+            return
+        out = walk.out
         for name in FIELDS:
             v = value.get(name)
-            if isinstance(v, str):
+            if type(v) is str:
                 out.append(v)
+                walk.chars -= len(v)
         for name in NESTED:
             v = value.get(name)
             if v is not None:
-                _walk(v, out)
+                _walk(v, walk)

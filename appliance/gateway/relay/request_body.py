@@ -26,7 +26,7 @@ from appliance.gateway.accounting.plan import (
     insert_first,
     plan_usage,
 )
-from appliance.gateway.admission.prefix_index import Blocks, prompt_blocks
+from appliance.gateway.admission.prefix_index import BLOCK_CHARS, Blocks, prompt_blocks
 from appliance.gateway.errors import GatewayError
 from appliance.gateway.protocols import ROUTES, StateRef
 from appliance.gateway.relay.json_bounds import TooMuchStructure, check_structure, may_exceed
@@ -242,7 +242,12 @@ def finish_body(
     pinned = state is not None and state.needs is not None
     if session is None and spec.prompt is not None and limits.prefix_routing and not pinned:
         text = spec.prompt(body)
-        prefix = prompt_blocks(text) if text else ()
+        # At most as many blocks as the request's cost could fill (about 4 characters a
+        # token): text the cost does not count (ids, names) cannot make one cheap request
+        # fill the index and flush everyone's entries. Seeded with the model it is sent
+        # as: an adapter's prefix cache is not its base model's.
+        limit = cost.tokens * 4 // BLOCK_CHARS + 1
+        prefix = prompt_blocks(text, hash(wire), limit) if text else ()
     lowered = cost.write[1] if cost.lowered and cost.write is not None else None
     return ParsedRequest(
         route,
