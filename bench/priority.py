@@ -25,7 +25,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import secrets
 import shutil
 import signal
 import statistics
@@ -48,6 +47,7 @@ from bench._common import (
     request,
     wait_for_quiet,
 )
+from bench.real_throughput import body  # distinct prompts: no prefix-cache hit
 from tests.fakes.appliance_proc import Appliance, real_engine_config, run_appliance
 
 MODEL = paths.PACKAGED_MODEL_NAME
@@ -186,19 +186,6 @@ async def new_key(s: aiohttp.ClientSession, d: Daemon, name: str, priority: str)
         return str(doc["key"])
 
 
-def body(tokens: int) -> bytes:
-    return json.dumps(
-        {
-            "model": MODEL,
-            # Distinct prompts: no prefix-cache hit makes one request cheaper.
-            "prompt": f"{secrets.token_hex(4)} Write a story about a lighthouse keeper.",
-            "max_tokens": tokens,
-            "stream": True,
-            "ignore_eos": True,
-        }
-    ).encode()
-
-
 # ---------------------------------------------------------------------------- run
 
 
@@ -208,11 +195,11 @@ async def one_flood(
     """(interactive TTFT, interactive total, flood end, failures) of one flood."""
     t0 = time.monotonic()
     flood = [
-        asyncio.create_task(request(s, d.url, keys["batch"], body(args.tokens), True))
+        asyncio.create_task(request(s, d.url, keys["batch"], body(args.tokens, 0), True))
         for _ in range(args.batch)
     ]
     await asyncio.sleep(args.after)
-    mine = await request(s, d.url, keys["interactive"], body(args.interactive_tokens), True)
+    mine = await request(s, d.url, keys["interactive"], body(args.interactive_tokens, 0), True)
     done = await asyncio.gather(*flood)
     end = max(r.start + r.total for r in done) - t0
     failed = sum(not r.ok for r in done) + (not mine.ok)
@@ -233,7 +220,7 @@ async def run(args: argparse.Namespace, daemons: dict[str, Daemon]) -> list[Run]
             }
             # Warm-up: the first requests of a fresh engine are slower (compilation).
             await asyncio.gather(
-                *(request(s, d.url, keys[policy]["batch"], body(16), True) for _ in range(4))
+                *(request(s, d.url, keys[policy]["batch"], body(16, 0), True) for _ in range(4))
             )
         for r in range(args.rounds):
             for policy in order(r):
