@@ -89,7 +89,7 @@ def charged_to_key(tmp_path: Path, plan: UsagePlan, tap: StreamTap) -> tuple[int
     client: dict[str, object] = {"key": SimpleNamespace(id="k", tpm=None)}
     parsed = SimpleNamespace(tpm_charge=0, usage=plan)
     call = SimpleNamespace(client=client, parsed=parsed, meter=Metering(status=200, tap=tap))
-    book.finish(cast(EngineCall, call), 0)
+    book.finish(cast(EngineCall, call), book.begin(0))
     return book.counts.since(None)["k"]
 
 

@@ -130,8 +130,10 @@ def test_a_request_tried_on_two_engines_gets_its_charge_back_once(tmp_path: Path
     b = UsageBook(usage_path(tmp_path / "keys.json"), CollectorRegistry(), rl)
     client: dict[str, object] = {"key": SimpleNamespace(id="k", tpm=1000)}
     assert rl.check("k", None, 1000, 600) is None  # charged 600: 400 left
-    b.finish(try_of(client, None, stream_meter(Usage(10, 1))), 0)  # the first engine: 11 used
-    b.finish(try_of(client, None, stream_meter(Usage(10, 30))), 0)  # the retry: 40 used
+    b.finish(
+        try_of(client, None, stream_meter(Usage(10, 1))), b.begin(0)
+    )  # the first engine: 11 used
+    b.finish(try_of(client, None, stream_meter(Usage(10, 30))), b.begin(0))  # the retry: 40 used
     assert b.counts.since(None) == {"k": (20, 31)}
     # 1000 - 600 + 600 - 11 - 40 = 949 left (and a few ms of refill); twice back: 1000
     assert rl.check("k", None, 1000, 990) is not None
@@ -153,7 +155,7 @@ def test_a_whole_answer_cut_off_is_charged_its_bounds(tmp_path: Path) -> None:
     b = UsageBook(usage_path(tmp_path / "keys.json"), CollectorRegistry(), rl)
     client: dict[str, object] = {"key": SimpleNamespace(id="k", tpm=100_000)}
     plan = chat_plan(False, n_bound=2 * 50)  # max_tokens 50, n 2
-    b.finish(try_of(client, plan, Metering()), 0)  # no head came: cancelled while waiting
+    b.finish(try_of(client, plan, Metering()), b.begin(0))  # no head came: cancelled while waiting
     prompt, completion = b.counts.since(None)["k"]
     assert prompt >= 3000 + 2  # at least a token a word, the role's tokens
     assert prompt <= 4096  # never above the context
@@ -166,7 +168,7 @@ def test_a_stream_cut_before_its_usage_is_charged_the_bound_and_the_events(
     """Issue 20, item 3b: not the 1-per-4-characters estimate (~1,508 here)."""
     b = book(tmp_path)
     client: dict[str, object] = {"key": SimpleNamespace(id="k", tpm=None)}
-    b.finish(try_of(client, chat_plan(True, n_bound=50), stream_meter(None, events=8)), 0)
+    b.finish(try_of(client, chat_plan(True, n_bound=50), stream_meter(None, events=8)), b.begin(0))
     assert b.counts.since(None) == {"k": (chat_plan(True).prompt_bound, 8)}
     # "a " is 2 bytes, each of which may be a token: 6,000 and more, capped by the context
     assert chat_plan(True).prompt_bound == 4096
@@ -184,14 +186,14 @@ def test_a_try_that_did_nothing_counts_nothing_and_gives_the_charge_back(
     b = UsageBook(usage_path(tmp_path / "keys.json"), CollectorRegistry(), rl)
     client: dict[str, object] = {"key": SimpleNamespace(id="k", tpm=1000)}
     assert rl.check("k", None, 1000, 600) is None
-    b.finish(try_of(client, chat_plan(False, 50), meter), 0)
+    b.finish(try_of(client, chat_plan(False, 50), meter), b.begin(0))
     assert b.counts.since(None) == {}
     assert rl.check("k", None, 1000, 990) is None  # the 600 went back
 
 
 def test_a_request_without_a_key_is_not_counted(tmp_path: Path) -> None:
     b = book(tmp_path)
-    b.finish(try_of({}, chat_plan(False, 50), Metering()), 0)
+    b.finish(try_of({}, chat_plan(False, 50), Metering()), b.begin(0))
     assert b.counts.since(None) == {}
 
 
@@ -203,8 +205,10 @@ def test_a_retry_after_a_failure_before_any_byte_is_charged_once(tmp_path: Path)
     b = UsageBook(usage_path(tmp_path / "keys.json"), CollectorRegistry(), rl)
     client: dict[str, object] = {"key": SimpleNamespace(id="k", tpm=1000)}
     assert rl.check("k", None, 1000, 600) is None  # charged 600: 400 left
-    b.finish(try_of(client, chat_plan(False, 50), Metering(failed=True)), 0)
-    b.finish(try_of(client, chat_plan(False, 50), Metering(status=200, answer=Usage(30, 20))), 0)
+    b.finish(try_of(client, chat_plan(False, 50), Metering(failed=True)), b.begin(0))
+    b.finish(
+        try_of(client, chat_plan(False, 50), Metering(status=200, answer=Usage(30, 20))), b.begin(0)
+    )
     assert b.counts.since(None) == {"k": (30, 20)}
     assert rl.check("k", None, 1000, 960) is not None  # 950 left, not 1000 nor 350
     assert rl.check("k", None, 1000, 940) is None
@@ -219,12 +223,12 @@ def test_energy_per_key_is_kept_with_the_tokens_across_a_save_and_load(tmp_path:
     b.add("k1", 10, 5, now=T0)
     b.energy_tick({0: 1000.0}, {0: (0,)}, now=T0)  # the first reading: a start only
     clock.t = 1.0
-    b.finish(try_of({"key": SimpleNamespace(id="k1", tpm=None)}, None, answer(30, 10)), 0)
-    b.finish(try_of({"key": SimpleNamespace(id="k2", tpm=None)}, None, answer(5, 5)), 0)
+    b.finish(try_of({"key": SimpleNamespace(id="k1", tpm=None)}, None, answer(30, 10)), b.begin(0))
+    b.finish(try_of({"key": SimpleNamespace(id="k2", tpm=None)}, None, answer(5, 5)), b.begin(0))
     clock.t = 2.0
     b.energy_tick({0: 1500.0}, {0: (0,)}, now=T0)  # 500 J by 40:10 tokens
     clock.t = 3.0
-    b.finish(try_of({"key": SimpleNamespace(id="k2", tpm=None)}, None, answer(1, 1)), 0)
+    b.finish(try_of({"key": SimpleNamespace(id="k2", tpm=None)}, None, answer(1, 1)), b.begin(0))
     clock.t = 4.0
     b.energy_tick({0: 1700.0}, {0: (0,)}, now=T0 + 2 * HOUR_S)  # 200 J, k2's alone
     b.save(now=T0 + 2 * HOUR_S)
@@ -305,7 +309,7 @@ def test_a_huge_energy_reading_never_becomes_an_infinity_in_the_file(tmp_path: P
     key = {"key": SimpleNamespace(id="k1", tpm=None)}
     for reading in (0.0, 1e308, 0.0, 1e308, 0.0):
         clock.t += 0.5
-        b.finish(try_of(dict(key), None, answer(5, 5)), 0)
+        b.finish(try_of(dict(key), None, answer(5, 5)), b.begin(0))
         clock.t += 0.5
         b.energy_tick({0: reading}, {0: (0,)}, now=T0)
     b.counts.add_energy("k1", math.inf, T0)  # nor from anywhere else
@@ -330,10 +334,10 @@ def test_a_try_is_charged_for_the_ticks_it_ran_in(tmp_path: Path) -> None:
     clock.t = 1.0
     b.energy_tick({0: 300.0}, {0: (0,)}, now=T0)
     clock.t = 1.5
-    b.finish(try_of({"key": SimpleNamespace(id="k2", tpm=None)}, None, answer(5, 5)), 0)
+    b.finish(try_of({"key": SimpleNamespace(id="k2", tpm=None)}, None, answer(5, 5)), b.begin(0))
     assert b.counts.energy_since(None) == {}  # the tick waits for the open try
     clock.t = 2.0
-    b.finish(try_of({"key": SimpleNamespace(id="k1", tpm=None)}, None, answer(50, 50)), 0, opened)
+    b.finish(try_of({"key": SimpleNamespace(id="k1", tpm=None)}, None, answer(50, 50)), opened)
     b.energy_tick({0: 300.0}, {0: (0,)}, now=T0)
     assert b.counts.energy_since(None) == pytest.approx({"k1": 300.0})
     assert b.energy.open == {}

@@ -393,26 +393,22 @@ class UsageBook:
         call): the energy split waits for its end (:mod:`.energy`)."""
         return self.energy.begin(engine_id, self.monotonic())
 
-    def finish(self, call: FinishedTry, engine_id: int, opened: OpenTry | None = None) -> None:
+    def finish(self, call: FinishedTry, opened: OpenTry) -> None:
         """One try on engine ``engine_id`` ended, however it ended (relay/handlers.py calls
-        this from the try's one ``finally``; ``opened``: what :meth:`begin` gave, None for
-        a try of no duration): count what it used for its key (:func:`charged`: the
+        this from the try's one ``finally``; ``opened``: what :meth:`begin` gave for it):
+        count what it used for its key (:func:`charged`: the
         engine's own count, or a bound never below what the engine did), there too for
         the energy split, and debit the key's tpm bucket with that instead of the
         admission charge."""
         ended = self.monotonic()
         record = call.client.get("key")
         if record is None:
-            if opened is not None:
-                self.energy.end(opened, None, 0, ended)
+            self.energy.end(opened, None, 0, ended)
             return
         usage = charged(call.meter, call.parsed.usage)
         self.add(record.id, usage.prompt, usage.completion)
         used = usage.prompt + usage.completion
-        if opened is not None:
-            self.energy.end(opened, record.id, used, ended)
-        elif used > 0:
-            self.energy.record(engine_id, record.id, used, ended, ended)
+        self.energy.end(opened, record.id, used, ended)
         # The charge goes back once per request: a second engine's try (a retry after the
         # first failed before the client saw a byte, which counts nothing) debits what it
         # used, and is not given the charge back again.

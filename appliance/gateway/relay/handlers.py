@@ -483,4 +483,4 @@ class Relay:
             attempts.discard(attempt)
             # The one place a try's tokens are counted, however it ended: an answer, a
             # break, a client gone (cancelled), an abandoned engine (stream_tap.charged).
-            self._usage.finish(call, engine_id, opened)
+            self._usage.finish(call, opened)
