@@ -263,3 +263,14 @@ def test_text_the_cost_does_not_count_cannot_fill_the_index() -> None:
     raw = __import__("json").dumps(body).encode()
     parsed = parse_body("chat", raw, {}, GatewayConfig(), 4096)
     assert 0 < len(parsed.prefix) <= 2
+
+
+def test_a_model_with_one_engine_hashes_nothing() -> None:
+    # Where a one-engine model's request goes is no choice: its prompt is not read.
+    from appliance.config import GatewayConfig
+    from appliance.gateway.relay.request_body import finish_body, open_body
+
+    raw = b'{"model": "m", "messages": [{"role": "user", "content": "' + b"a" * 4000 + b'"}]}'
+    several = finish_body("chat", open_body("chat", raw), {}, GatewayConfig(), 4096)
+    one = finish_body("chat", open_body("chat", raw), {}, GatewayConfig(), 4096, choice=False)
+    assert len(several.prefix) == 7 and one.prefix == ()

@@ -271,6 +271,7 @@ class Relay:
             sent,
             steps,
             priority,
+            self._several_engines(name),
         )
         # An adapter has no fallback: another model's engines do not serve it; nor does a
         # model the key may not use.
@@ -303,8 +304,13 @@ class Relay:
             model,
             stepping=stepping_of(target),
             priority=engine_priority(target.engine.scheduling, request["key"].priority),
+            choice=self._several_engines(model),
         )
         return parsed if self._admission.fits(parsed.cost, model) else None
+
+    def _several_engines(self, model: str) -> bool:
+        """Whether ``model`` has engines to choose among (prefix routing has a use)."""
+        return len(candidates(model, self._appliance.engines())) > 1
 
     async def _admit_or_fall_back(
         self, request: web.Request, parsed: ParsedRequest, fallback: str

@@ -175,6 +175,7 @@ def finish_body(
     sent: str | None = None,
     stepping: Stepping = ONE_TOKEN,
     priority: int | None = None,
+    choice: bool = True,
 ) -> ParsedRequest:
     """What the request costs on ``model``'s engines (whose context is ``max_model_len``,
     whose streams carry ``stepping``'s tokens per event) and what they are sent. The
@@ -183,7 +184,9 @@ def finish_body(
     serves too); the client's bytes go on untouched (no re-serialisation) unless a field
     must be set. ``priority``: the engine's scheduling priority for this request (None:
     the engine schedules first-come first-served, nothing is sent; 0, vLLM's default, is
-    not written either); a client's own ``priority`` is always taken out."""
+    not written either); a client's own ``priority`` is always taken out. ``choice``:
+    the model has more than one engine, so where the request goes is a choice, and its
+    prompt's beginning is worth hashing for prefix routing (with one, it is not read)."""
     body = opened.fields
     canonical = model or opened.model
     wire = sent or canonical
@@ -240,7 +243,13 @@ def finish_body(
     # No hint and not pinned by a stored response: placed by its prompt's beginning.
     prefix: Blocks = ()
     pinned = state is not None and state.needs is not None
-    if session is None and spec.prompt is not None and limits.prefix_routing and not pinned:
+    if (
+        choice
+        and session is None
+        and spec.prompt is not None
+        and limits.prefix_routing
+        and not pinned
+    ):
         text = spec.prompt(body)
         # At most as many blocks as the request's cost could fill (about 4 characters a
         # token): text the cost does not count (ids, names) cannot make one cheap request
