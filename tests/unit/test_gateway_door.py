@@ -10,7 +10,6 @@ relayed requests. A client talks to the gateway over real HTTP; no subprocess.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import json
@@ -24,9 +23,8 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from appliance.cli import main as cli_main
-from appliance.config import Config, parse_config
+from appliance.config import parse_config
 from appliance.control import (
-    ApplianceStatus,
     ApplianceView,
     CommandResult,
     EngineCommands,
@@ -39,6 +37,7 @@ from appliance.engine_cpu import CpuDtype
 from appliance.gateway.admin import routes as admin
 from appliance.gateway.app import GATEWAY, create_app
 from appliance.telemetry import GpuReading
+from tests.fakes.fake_appliance import FakeAppliance
 from tests.fakes.fake_engine import FakeEngine, parse_args
 
 # The middleware stores the caller's key record under a plain string, which aiohttp warns about.
@@ -47,90 +46,6 @@ pytestmark = pytest.mark.filterwarnings("ignore::aiohttp.web_exceptions.NotAppKe
 MODEL = "m"
 ENGINE_KEY = "eng-test-key"
 READY, DRAINING = EngineState.READY, EngineState.DRAINING
-
-
-class FakeAppliance:
-    """The door's members and nothing else (``__slots__``: no attribute may be added or
-    read beyond them). Commands answer with what ``_answers`` holds (None: never)."""
-
-    __slots__ = (
-        "_accepting",
-        "_answers",
-        "_asked",
-        "_config",
-        "_cpu_dtype",
-        "_engines",
-        "_starting",
-    )
-    __slots__ += ("_gpus", "_last_tick")
-
-    def __init__(self, config: Config, engines: list[EngineStatus]) -> None:
-        self._config = config
-        self._engines = engines
-        self._accepting = True
-        self._starting = False
-        self._last_tick = time.monotonic()
-        self._gpus: tuple[GpuStatus, ...] = ()
-        self._cpu_dtype: CpuDtype | None = None
-        self._answers: dict[str, CommandResult | None] = {}
-        self._asked: list[tuple[str, int, dict[str, Any]]] = []
-
-    @property
-    def config(self) -> Config:
-        return self._config
-
-    @property
-    def accepting(self) -> bool:
-        return self._accepting
-
-    @property
-    def starting(self) -> bool:
-        return self._starting
-
-    @property
-    def last_tick(self) -> float:
-        return self._last_tick
-
-    @property
-    def started_at(self) -> float:
-        return 1_700_000_000.0
-
-    def engines(self) -> tuple[EngineStatus, ...]:
-        return tuple(self._engines)
-
-    def engine(self, engine_id: int) -> EngineStatus:
-        return self._engines[engine_id]
-
-    def status(self) -> ApplianceStatus:
-        return ApplianceStatus(
-            started_at=self.started_at,
-            device="cpu",
-            cpu_dtype=self._cpu_dtype,
-            accepting=self._accepting,
-            ready=self._accepting and any(e.state is READY for e in self._engines),
-            engines=self.engines(),
-            gpus=self._gpus,
-        )
-
-    async def _command(self, name: str, engine_id: int, **kw: Any) -> CommandResult:
-        self._asked.append((name, engine_id, kw))
-        answer = self._answers.get(name)
-        if answer is None:
-            await asyncio.Event().wait()  # a runner that never answers
-        assert answer is not None
-        return answer
-
-    async def restart(self, engine_id: int) -> CommandResult:
-        return await self._command("restart", engine_id)
-
-    async def drain(self, engine_id: int, *, force: bool = False) -> CommandResult:
-        return await self._command("drain", engine_id, force=force)
-
-    async def resume(self, engine_id: int) -> CommandResult:
-        return await self._command("resume", engine_id)
-
-    async def check_listener(self, engine_id: int) -> CommandResult:
-        return await self._command("check_listener", engine_id)
 
 
 def public(cls: type) -> set[str]:

@@ -42,7 +42,7 @@ from appliance.gateway.wire import upstream_pool
 from appliance.gateway.wire.http1 import UpstreamError
 from appliance.gateway.wire.splice import UpstreamConnection
 from appliance.gateway.wire.upstream_pool import UpstreamPool
-from tests.fakes.one_box import OneBox
+from tests.fakes.fake_appliance import FakeAppliance
 from tests.fakes.owners import in_process
 
 # The handler stores the caller's key record under a plain string, as the gateway's
@@ -91,7 +91,7 @@ class OneEngine:
     def __post_init__(self) -> None:
         config = Config(engine=EngineConfig(served_model_name=MODEL))
         status = EngineStatus(0, None, self.address, EngineState.READY, "engine-key")
-        self.box = OneBox(config, (status,))
+        self.box = FakeAppliance(config, [status])
         self.upstreams = UpstreamPool(in_process)
         self.sessions = _Sessions(self.session)
         self.metrics = GatewayMetrics()

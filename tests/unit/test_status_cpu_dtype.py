@@ -20,7 +20,7 @@ from appliance.gateway.keys import KeyStore
 from appliance.gateway.observe.probes import Readiness
 from appliance.gateway.observe.status_document import StatusDocument
 from appliance.plan import plan_engines
-from tests.fakes.one_box import OneBox
+from tests.fakes.fake_appliance import FakeAppliance
 
 
 @pytest.fixture
@@ -50,7 +50,8 @@ def status_with(
     )
     # Nothing runs yet: the box has no engines, and /readyz's verdict (which the document
     # carries) is read from real parts.
-    box = OneBox(config, starting=True, device=plan.device, cpu_dtype=plan.cpu_dtype)
+    box = FakeAppliance(config, [])
+    box._starting, box._device, box._cpu_dtype = True, plan.device, plan.cpu_dtype
     admission = Admission(lambda: config, box.engines, lambda: True)
     keys = KeyStore(home / "keys.json")
     readiness = Readiness(box, keys, admission, NoModels(), lambda: ())
